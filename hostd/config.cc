@@ -1,0 +1,1091 @@
+#include "hostd/config.h"
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <charconv>
+#include <cmath>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <limits>
+#include <sstream>
+#include <utility>
+
+#include "CLI/CLI.hpp"
+#include "absl/strings/ascii.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
+#include "common/status_macros.h"
+#include "toml++/toml.h"
+
+extern char** environ;
+
+namespace slidedp::hostd {
+namespace {
+
+using ::slidedp::v1::OptimizerConfig;
+using ::slidedp::v1::Routes;
+
+// Debian's abseil builds absl::string_view as its own class, not an alias of std::string_view.
+absl::string_view Av(std::string_view s) { return absl::string_view(s.data(), s.size()); }
+
+constexpr uint64_t kKiB = uint64_t{1} << 10;
+constexpr uint64_t kMiB = uint64_t{1} << 20;
+constexpr uint64_t kGiB = uint64_t{1} << 30;
+constexpr uint64_t kMinChunkBytes = 4 * kKiB;
+constexpr uint64_t kMaxChunkBytes = kGiB;
+constexpr uint32_t kMaxWorldSize = 64;
+// sockaddr_un::sun_path holds 108 bytes including the terminating NUL.
+constexpr size_t kMaxSocketPathBytes = 107;
+constexpr size_t kMaxInstanceChars = 32;
+
+// How a key's value is written in TOML and which TOML types the file may use for it.
+enum class ValueKind { kString, kEnum, kBool, kInt, kUint, kDouble, kSize };
+
+struct KeyDescriptor {
+  std::string name;
+  std::string section;
+  std::string help;
+  ValueKind kind;
+  std::vector<std::string> choices;  // kEnum only
+  // Parses `text` and stores it; the error message names neither key nor source (the caller
+  // prefixes both).
+  std::function<absl::Status(HostdConfig&, std::string_view text)> set;
+  std::function<std::string(const HostdConfig&)> get;
+};
+
+// ---------------------------------------------------------------------------------------------
+// Value parsing and formatting shared by all sources.
+
+absl::Status BadValue(std::string_view text, std::string_view expected) {
+  return absl::InvalidArgumentError(absl::StrCat("'", Av(text), "' is not ", Av(expected)));
+}
+
+absl::StatusOr<bool> ParseBool(std::string_view text) {
+  const std::string t = absl::AsciiStrToLower(Av(text));
+  if (t == "true" || t == "1") return true;
+  if (t == "false" || t == "0") return false;
+  return BadValue(text, "a boolean; expected true or false");
+}
+
+absl::StatusOr<uint64_t> ParseUint(std::string_view text, uint64_t max) {
+  uint64_t v = 0;
+  const char* end = text.data() + text.size();
+  auto [p, ec] = std::from_chars(text.data(), end, v);
+  if (text.empty() || ec == std::errc::invalid_argument || p != end) {
+    return BadValue(text, "an unsigned integer");
+  }
+  if (ec == std::errc::result_out_of_range || v > max) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("'", Av(text), "' is out of range; expected at most ", max));
+  }
+  return v;
+}
+
+absl::StatusOr<int> ParseInt(std::string_view text) {
+  int64_t v = 0;
+  const char* end = text.data() + text.size();
+  auto [p, ec] = std::from_chars(text.data(), end, v);
+  if (text.empty() || ec == std::errc::invalid_argument || p != end) {
+    return BadValue(text, "an integer");
+  }
+  if (ec == std::errc::result_out_of_range || v < std::numeric_limits<int>::min() ||
+      v > std::numeric_limits<int>::max()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("'", Av(text), "' is out of range for a 32-bit integer"));
+  }
+  return static_cast<int>(v);
+}
+
+absl::StatusOr<double> ParseDouble(std::string_view text) {
+  double v = 0;
+  if (!absl::SimpleAtod(Av(text), &v)) return BadValue(text, "a number");
+  return v;
+}
+
+// "4096", "4096B", "64K", "64KiB", "16M", "16MiB", "1G", "1GiB" (binary units, any case).
+absl::StatusOr<uint64_t> ParseSize(std::string_view text) {
+  constexpr std::string_view kExpected =
+      "a size; expected bytes or an integer with a binary unit K/KiB, M/MiB or G/GiB, e.g. 16MiB";
+  const std::string t = absl::AsciiStrToLower(Av(text));
+  size_t digits = 0;
+  while (digits < t.size() && absl::ascii_isdigit(static_cast<unsigned char>(t[digits]))) {
+    ++digits;
+  }
+  if (digits == 0) return BadValue(text, kExpected);
+  uint64_t n = 0;
+  auto [p, ec] = std::from_chars(t.data(), t.data() + digits, n);
+  if (ec != std::errc()) return BadValue(text, kExpected);
+  std::string_view unit = std::string_view(t).substr(digits);
+  while (!unit.empty() && unit.front() == ' ') unit.remove_prefix(1);
+  uint64_t mult = 0;
+  if (unit.empty() || unit == "b") {
+    mult = 1;
+  } else if (unit == "k" || unit == "ki" || unit == "kib") {
+    mult = kKiB;
+  } else if (unit == "m" || unit == "mi" || unit == "mib") {
+    mult = kMiB;
+  } else if (unit == "g" || unit == "gi" || unit == "gib") {
+    mult = kGiB;
+  } else {
+    return BadValue(text, kExpected);
+  }
+  uint64_t bytes = 0;
+  if (__builtin_mul_overflow(n, mult, &bytes)) {
+    return absl::InvalidArgumentError(absl::StrCat("'", Av(text), "' is too large"));
+  }
+  return bytes;
+}
+
+std::string FormatSize(uint64_t bytes) {
+  if (bytes != 0 && bytes % kGiB == 0) return absl::StrCat(bytes / kGiB, "GiB");
+  if (bytes != 0 && bytes % kMiB == 0) return absl::StrCat(bytes / kMiB, "MiB");
+  if (bytes != 0 && bytes % kKiB == 0) return absl::StrCat(bytes / kKiB, "KiB");
+  return absl::StrCat(bytes);
+}
+
+// Shortest text that parses back to the same double, in %g style (0.0001 rather than 1e-04);
+// always a TOML float (has '.', 'e' or is inf/nan).
+std::string FormatDouble(double d) {
+  char buf[64];
+  auto [p, ec] = std::to_chars(buf, buf + sizeof(buf), d, std::chars_format::general);
+  std::string s(buf, ec == std::errc() ? p : buf);
+  if (s.find_first_of(".en") == std::string::npos) s += ".0";
+  return s;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Key factories: each binds a parser/formatter pair to a field.
+
+using StrGet = std::function<std::string(const HostdConfig&)>;
+
+KeyDescriptor StringKey(std::string name, std::string section, std::string help,
+                        std::string HostdConfig::*field) {
+  return {std::move(name),
+          std::move(section),
+          std::move(help),
+          ValueKind::kString,
+          {},
+          [field](HostdConfig& c, std::string_view text) {
+            c.*field = std::string(text);
+            return absl::OkStatus();
+          },
+          [field](const HostdConfig& c) { return c.*field; }};
+}
+
+KeyDescriptor EnumKey(std::string name, std::string section, std::string help,
+                      std::vector<std::string> choices, StrGet get,
+                      std::function<void(HostdConfig&, std::string_view)> set) {
+  KeyDescriptor d{std::move(name),  std::move(section), std::move(help),
+                  ValueKind::kEnum, std::move(choices), nullptr,
+                  std::move(get)};
+  d.set = [choices = d.choices, set = std::move(set)](HostdConfig& c, std::string_view text) {
+    if (std::find(choices.begin(), choices.end(), text) == choices.end()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("'", Av(text), "' is not one of ", absl::StrJoin(choices, ", ")));
+    }
+    set(c, text);
+    return absl::OkStatus();
+  };
+  return d;
+}
+
+KeyDescriptor StringEnumKey(std::string name, std::string section, std::string help,
+                            std::vector<std::string> choices, std::string HostdConfig::*field) {
+  return EnumKey(
+      std::move(name), std::move(section), std::move(help), std::move(choices),
+      [field](const HostdConfig& c) { return c.*field; },
+      [field](HostdConfig& c, std::string_view v) { c.*field = std::string(v); });
+}
+
+// A proto enum exposed as lower-case names; `names[i]` maps to `values[i]`. A field holding a
+// value outside the table (e.g. UNSPECIFIED) prints as `unset_name`.
+template <typename E>
+KeyDescriptor ProtoEnumKey(std::string name, std::string section, std::string help,
+                           std::vector<std::pair<std::string, E>> table, std::string unset_name,
+                           std::function<E(const HostdConfig&)> get,
+                           std::function<void(HostdConfig&, E)> set) {
+  std::vector<std::string> choices;
+  for (const auto& [n, v] : table) choices.push_back(n);
+  return EnumKey(
+      std::move(name), std::move(section), std::move(help), std::move(choices),
+      [table, unset_name, get](const HostdConfig& c) {
+        const E e = get(c);
+        for (const auto& [n, v] : table) {
+          if (v == e) return n;
+        }
+        return unset_name;
+      },
+      [table, set](HostdConfig& c, std::string_view text) {
+        for (const auto& [n, v] : table) {
+          if (n == text) set(c, v);
+        }
+      });
+}
+
+KeyDescriptor BoolKey(std::string name, std::string section, std::string help,
+                      std::function<bool(const HostdConfig&)> get,
+                      std::function<void(HostdConfig&, bool)> set) {
+  return {std::move(name),
+          std::move(section),
+          std::move(help),
+          ValueKind::kBool,
+          {},
+          [set](HostdConfig& c, std::string_view text) -> absl::Status {
+            ASSIGN_OR_RETURN(const bool v, ParseBool(text));
+            set(c, v);
+            return absl::OkStatus();
+          },
+          [get](const HostdConfig& c) { return std::string(get(c) ? "true" : "false"); }};
+}
+
+KeyDescriptor UintKey(std::string name, std::string section, std::string help, uint64_t max,
+                      std::function<uint64_t(const HostdConfig&)> get,
+                      std::function<void(HostdConfig&, uint64_t)> set) {
+  return {std::move(name),
+          std::move(section),
+          std::move(help),
+          ValueKind::kUint,
+          {},
+          [set, max](HostdConfig& c, std::string_view text) -> absl::Status {
+            ASSIGN_OR_RETURN(const uint64_t v, ParseUint(text, max));
+            set(c, v);
+            return absl::OkStatus();
+          },
+          [get](const HostdConfig& c) { return absl::StrCat(get(c)); }};
+}
+
+KeyDescriptor IntKey(std::string name, std::string section, std::string help,
+                     int HostdConfig::*field) {
+  return {std::move(name),
+          std::move(section),
+          std::move(help),
+          ValueKind::kInt,
+          {},
+          [field](HostdConfig& c, std::string_view text) -> absl::Status {
+            ASSIGN_OR_RETURN(c.*field, ParseInt(text));
+            return absl::OkStatus();
+          },
+          [field](const HostdConfig& c) { return absl::StrCat(c.*field); }};
+}
+
+KeyDescriptor DoubleKey(std::string name, std::string section, std::string help,
+                        std::function<double(const HostdConfig&)> get,
+                        std::function<void(HostdConfig&, double)> set) {
+  return {std::move(name),
+          std::move(section),
+          std::move(help),
+          ValueKind::kDouble,
+          {},
+          [set](HostdConfig& c, std::string_view text) -> absl::Status {
+            ASSIGN_OR_RETURN(const double v, ParseDouble(text));
+            set(c, v);
+            return absl::OkStatus();
+          },
+          [get](const HostdConfig& c) { return FormatDouble(get(c)); }};
+}
+
+KeyDescriptor SizeKey(std::string name, std::string section, std::string help,
+                      std::function<uint64_t(const HostdConfig&)> get,
+                      std::function<void(HostdConfig&, uint64_t)> set) {
+  return {std::move(name),
+          std::move(section),
+          std::move(help),
+          ValueKind::kSize,
+          {},
+          [set](HostdConfig& c, std::string_view text) -> absl::Status {
+            ASSIGN_OR_RETURN(const uint64_t v, ParseSize(text));
+            set(c, v);
+            return absl::OkStatus();
+          },
+          [get](const HostdConfig& c) { return FormatSize(get(c)); }};
+}
+
+// ---------------------------------------------------------------------------------------------
+// The one table of keys: flags, environment, file, help, --print-config and GetConfig all
+// derive from it.
+
+std::vector<KeyDescriptor> BuildKeys() {
+  constexpr uint64_t kU32 = std::numeric_limits<uint32_t>::max();
+  constexpr uint64_t kU64 = std::numeric_limits<uint64_t>::max();
+  std::vector<KeyDescriptor> k;
+
+  const std::string daemon = "Daemon";
+  k.push_back(StringKey(
+      "instance", daemon,
+      "Instance name; scopes shared-memory segment names so several daemons can share a host. "
+      "1 to 32 of [A-Za-z0-9_-].",
+      &HostdConfig::instance));
+  k.push_back(StringKey("socket", daemon,
+                        "Unix socket path of the control service (at most 107 bytes).",
+                        &HostdConfig::socket));
+  k.push_back(StringKey("listen_tcp", daemon,
+                        "Also serve on a loopback TCP address: 127.0.0.1:PORT, [::1]:PORT or "
+                        "localhost:PORT (PORT 0 picks a free port). Empty: off.",
+                        &HostdConfig::listen_tcp));
+  k.push_back(StringEnumKey("log_level", daemon, "Log verbosity.",
+                            {"trace", "debug", "info", "warn", "error"}, &HostdConfig::log_level));
+
+  const std::string job = "Model and job";
+  k.push_back(StringKey("model", job,
+                        "Model: tiny or tiny-tied (built-in test models), a directory containing "
+                        "an HF config.json, or the path of a config.json; none starts without a "
+                        "job (one is created over RPC).",
+                        &HostdConfig::model));
+  k.push_back(UintKey(
+      "seed", job, "Seed of the deterministic weight initialisation.", kU64,
+      [](const HostdConfig& c) { return c.seed; }, [](HostdConfig& c, uint64_t v) { c.seed = v; }));
+  k.push_back(UintKey(
+      "world_size", job, "Number of rank processes in the job, 1 to 64.", kU32,
+      [](const HostdConfig& c) { return c.world_size; },
+      [](HostdConfig& c, uint64_t v) { c.world_size = static_cast<uint32_t>(v); }));
+  k.push_back(StringEnumKey(
+      "init", job,
+      "Initial weights: normal (HF scheme: norms 1, biases 0, others N(0, initializer_range)) "
+      "or zeros (every normally-initialised tensor 0; for tests).",
+      {"normal", "zeros"}, &HostdConfig::init));
+
+  const std::string opt = "Optimizer (AdamW)";
+  k.push_back(DoubleKey(
+      "lr", opt, "Peak learning rate, >= 0.", [](const HostdConfig& c) { return c.optimizer.lr(); },
+      [](HostdConfig& c, double v) { c.optimizer.set_lr(v); }));
+  k.push_back(DoubleKey(
+      "beta1", opt, "Adam beta1, in [0, 1).",
+      [](const HostdConfig& c) { return c.optimizer.beta1(); },
+      [](HostdConfig& c, double v) { c.optimizer.set_beta1(v); }));
+  k.push_back(DoubleKey(
+      "beta2", opt, "Adam beta2, in [0, 1).",
+      [](const HostdConfig& c) { return c.optimizer.beta2(); },
+      [](HostdConfig& c, double v) { c.optimizer.set_beta2(v); }));
+  k.push_back(DoubleKey(
+      "eps", opt, "Adam epsilon, > 0.", [](const HostdConfig& c) { return c.optimizer.eps(); },
+      [](HostdConfig& c, double v) { c.optimizer.set_eps(v); }));
+  k.push_back(DoubleKey(
+      "weight_decay", opt, "Decoupled weight decay, >= 0.",
+      [](const HostdConfig& c) { return c.optimizer.weight_decay(); },
+      [](HostdConfig& c, double v) { c.optimizer.set_weight_decay(v); }));
+  k.push_back(BoolKey(
+      "no_decay_norms_and_biases", opt, "Exclude norm weights and biases from weight decay.",
+      [](const HostdConfig& c) { return c.optimizer.no_decay_norms_and_biases(); },
+      [](HostdConfig& c, bool v) { c.optimizer.set_no_decay_norms_and_biases(v); }));
+  k.push_back(ProtoEnumKey<slidedp::v1::LrScheduleKind>(
+      "schedule", opt,
+      "Learning-rate schedule after warmup: constant, linear or cosine decay to "
+      "min_lr_ratio * lr at total_steps.",
+      {{"constant", slidedp::v1::LR_SCHEDULE_CONSTANT},
+       {"linear", slidedp::v1::LR_SCHEDULE_LINEAR},
+       {"cosine", slidedp::v1::LR_SCHEDULE_COSINE}},
+      "constant", [](const HostdConfig& c) { return c.optimizer.schedule(); },
+      [](HostdConfig& c, slidedp::v1::LrScheduleKind v) { c.optimizer.set_schedule(v); }));
+  k.push_back(UintKey(
+      "warmup_steps", opt, "Linear warmup steps from 0 to lr.", kU64,
+      [](const HostdConfig& c) { return c.optimizer.warmup_steps(); },
+      [](HostdConfig& c, uint64_t v) { c.optimizer.set_warmup_steps(v); }));
+  k.push_back(UintKey(
+      "total_steps", opt, "Step at which linear/cosine decay reaches its floor; 0: no decay.", kU64,
+      [](const HostdConfig& c) { return c.optimizer.total_steps(); },
+      [](HostdConfig& c, uint64_t v) { c.optimizer.set_total_steps(v); }));
+  k.push_back(DoubleKey(
+      "min_lr_ratio", opt, "Floor of the decay as a fraction of lr, in [0, 1].",
+      [](const HostdConfig& c) { return c.optimizer.min_lr_ratio(); },
+      [](HostdConfig& c, double v) { c.optimizer.set_min_lr_ratio(v); }));
+  k.push_back(ProtoEnumKey<slidedp::v1::ClipPolicy>(
+      "clip", opt,
+      "Gradient clipping: none, per_layer (each layer to max_grad_norm by itself) or global "
+      "(exact global norm; updates wait for every layer's gradient).",
+      {{"none", slidedp::v1::CLIP_POLICY_NONE},
+       {"per_layer", slidedp::v1::CLIP_POLICY_PER_LAYER},
+       {"global", slidedp::v1::CLIP_POLICY_GLOBAL}},
+      "none", [](const HostdConfig& c) { return c.optimizer.clip(); },
+      [](HostdConfig& c, slidedp::v1::ClipPolicy v) { c.optimizer.set_clip(v); }));
+  k.push_back(DoubleKey(
+      "max_grad_norm", opt, "Clipping threshold, > 0.",
+      [](const HostdConfig& c) { return c.optimizer.max_grad_norm(); },
+      [](HostdConfig& c, double v) { c.optimizer.set_max_grad_norm(v); }));
+  k.push_back(ProtoEnumKey<slidedp::v1::DType>(
+      "grad_dtype", opt, "dtype of the gradients ranks push.",
+      {{"bf16", slidedp::v1::DTYPE_BF16}, {"fp32", slidedp::v1::DTYPE_FP32}}, "unspecified",
+      [](const HostdConfig& c) { return c.optimizer.grad_dtype(); },
+      [](HostdConfig& c, slidedp::v1::DType v) { c.optimizer.set_grad_dtype(v); }));
+  k.push_back(BoolKey(
+      "scale_by_world_size", opt, "Multiply the aggregated gradient by 1/world_size.",
+      [](const HostdConfig& c) { return c.optimizer.scale_by_world_size(); },
+      [](HostdConfig& c, bool v) { c.optimizer.set_scale_by_world_size(v); }));
+
+  const std::string routes = "Routes";
+  k.push_back(ProtoEnumKey<slidedp::v1::ParamRoute>(
+      "param_route", routes,
+      "How ranks get parameters: replicated (every rank reads every layer) or sharded.",
+      {{"replicated", slidedp::v1::PARAM_ROUTE_REPLICATED},
+       {"sharded", slidedp::v1::PARAM_ROUTE_SHARDED}},
+      "replicated", [](const HostdConfig& c) { return c.routes.param_route(); },
+      [](HostdConfig& c, slidedp::v1::ParamRoute v) { c.routes.set_param_route(v); }));
+  k.push_back(ProtoEnumKey<slidedp::v1::GradRoute>(
+      "grad_route", routes,
+      "How gradients are reduced: cpu_reduction (hostd sums the ranks' pushes), gpu_reduction "
+      "(NCCL all-reduce, one rank pushes) or reduce_scatter (each rank pushes its shard).",
+      {{"cpu_reduction", slidedp::v1::GRAD_ROUTE_CPU_REDUCTION},
+       {"gpu_reduction", slidedp::v1::GRAD_ROUTE_GPU_REDUCTION},
+       {"reduce_scatter", slidedp::v1::GRAD_ROUTE_REDUCE_SCATTER}},
+      "cpu_reduction", [](const HostdConfig& c) { return c.routes.grad_route(); },
+      [](HostdConfig& c, slidedp::v1::GradRoute v) { c.routes.set_grad_route(v); }));
+  k.push_back(SizeKey(
+      "chunk_bytes", routes,
+      "Granularity of gradient chunks signalled through shared memory: bytes or K/KiB, M/MiB, "
+      "G/GiB; a multiple of 4096 from 4KiB to 1GiB.",
+      [](const HostdConfig& c) { return c.routes.chunk_bytes(); },
+      [](HostdConfig& c, uint64_t v) { c.routes.set_chunk_bytes(v); }));
+
+  const std::string engine = "Update engine";
+  k.push_back(IntKey("numa_node", engine,
+                     "NUMA node holding the state and running the updates; -1: auto (the node "
+                     "closest to the GPUs).",
+                     &HostdConfig::numa_node));
+  k.push_back(IntKey("update_threads", engine,
+                     "Optimizer worker threads, >= 0; 0: all cores of the state's NUMA node.",
+                     &HostdConfig::update_threads));
+  k.push_back(StringEnumKey("isa", engine, "Adam kernel; auto picks the best the CPU supports.",
+                            {"auto", "scalar", "avx2", "avx512", "avx512bf16"}, &HostdConfig::isa));
+
+  const std::string shm = "Shared memory";
+  k.push_back(StringEnumKey("mlock", shm,
+                            "Lock the state in RAM: required (fail if it cannot be locked), "
+                            "best_effort (warn) or off.",
+                            {"required", "best_effort", "off"}, &HostdConfig::mlock));
+  k.push_back(StringEnumKey("shm_mode", shm,
+                            "Permissions of the segments ranks map: 0600 (owner only) or 0660 "
+                            "(with shm_group).",
+                            {"0600", "0660"}, &HostdConfig::shm_mode));
+  k.push_back(StringKey("shm_group", shm,
+                        "Group owning the segments; only with shm_mode 0660. Empty: the "
+                        "daemon's group.",
+                        &HostdConfig::shm_group));
+
+  const std::string liveness = "Liveness";
+  k.push_back(UintKey(
+      "heartbeat_interval_ms", liveness, "Interval at which ranks send heartbeats, >= 1.", kU32,
+      [](const HostdConfig& c) { return c.heartbeat_interval_ms; },
+      [](HostdConfig& c, uint64_t v) { c.heartbeat_interval_ms = static_cast<uint32_t>(v); }));
+  k.push_back(UintKey(
+      "heartbeat_deadline_ms", liveness,
+      "A rank silent for this long is declared dead and its step aborted; > "
+      "heartbeat_interval_ms.",
+      kU32, [](const HostdConfig& c) { return c.heartbeat_deadline_ms; },
+      [](HostdConfig& c, uint64_t v) { c.heartbeat_deadline_ms = static_cast<uint32_t>(v); }));
+  return k;
+}
+
+const std::vector<KeyDescriptor>& Keys() {
+  static const std::vector<KeyDescriptor>* const keys = new std::vector<KeyDescriptor>(BuildKeys());
+  return *keys;
+}
+
+const KeyDescriptor* FindKey(std::string_view name) {
+  for (const KeyDescriptor& d : Keys()) {
+    if (d.name == name) return &d;
+  }
+  return nullptr;
+}
+
+size_t EditDistance(std::string_view a, std::string_view b) {
+  std::vector<size_t> row(b.size() + 1);
+  for (size_t j = 0; j <= b.size(); ++j) row[j] = j;
+  for (size_t i = 1; i <= a.size(); ++i) {
+    size_t diag = row[0];
+    row[0] = i;
+    for (size_t j = 1; j <= b.size(); ++j) {
+      const size_t up = row[j];
+      row[j] = std::min({row[j] + 1, row[j - 1] + 1, diag + (a[i - 1] == b[j - 1] ? 0 : 1)});
+      diag = up;
+    }
+  }
+  return row[b.size()];
+}
+
+// " (did you mean 'lr'?)" when a key is close to `name`, else "".
+std::string Suggestion(std::string_view name, std::string_view prefix) {
+  std::string normalized(name);
+  std::replace(normalized.begin(), normalized.end(), '-', '_');
+  const KeyDescriptor* best = nullptr;
+  // Allow about one edit per three characters, so "lrr" suggests "lr" but "a" suggests nothing.
+  size_t best_distance = std::max<size_t>(1, std::min<size_t>(3, normalized.size() / 3)) + 1;
+  for (const KeyDescriptor& d : Keys()) {
+    const size_t dist = EditDistance(normalized, d.name);
+    if (dist < best_distance) {
+      best = &d;
+      best_distance = dist;
+    }
+  }
+  if (best == nullptr) return "";
+  return absl::StrCat(" (did you mean '", Av(prefix), best->name, "'?)");
+}
+
+// Where a key's current value came from.
+struct Origin {
+  std::string source = "default";  // default|file|env|flag
+  std::string detail = "default";  // "flag --lr", "env SLIDEDP_LR", "file /x.toml:3"
+};
+
+absl::Status KeyError(std::string_view key, std::string_view detail, std::string_view msg) {
+  if (detail.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat(Av(key), ": ", Av(msg)));
+  }
+  return absl::InvalidArgumentError(absl::StrCat(Av(key), " (", Av(detail), "): ", Av(msg)));
+}
+
+absl::Status SetFrom(const KeyDescriptor& d, HostdConfig& c, std::string_view text,
+                     std::string_view detail) {
+  absl::Status s = d.set(c, text);
+  if (!s.ok()) return KeyError(d.name, detail, std::string(s.message()));
+  return absl::OkStatus();
+}
+
+// ---------------------------------------------------------------------------------------------
+// Validation, with each key's origin for the message.
+
+using WhereFn = std::function<std::string(std::string_view key)>;
+
+bool IsLoopbackListen(std::string_view addr) {
+  size_t colon = addr.rfind(':');
+  if (colon == std::string_view::npos) return false;
+  const std::string_view host = addr.substr(0, colon);
+  const std::string_view port = addr.substr(colon + 1);
+  if (host != "127.0.0.1" && host != "[::1]" && host != "localhost") return false;
+  if (port.empty() || port.size() > 5) return false;
+  uint32_t p = 0;
+  auto [end, ec] = std::from_chars(port.data(), port.data() + port.size(), p);
+  return ec == std::errc() && end == port.data() + port.size() && p <= 65535;
+}
+
+absl::Status Validate(const HostdConfig& c, const WhereFn& where) {
+  auto fail = [&where](std::string_view key, std::string_view msg) {
+    return KeyError(key, where(key), msg);
+  };
+  auto in_choices = [](std::string_view key, const std::string& v) {
+    const std::vector<std::string>& ch = FindKey(key)->choices;
+    return std::find(ch.begin(), ch.end(), v) != ch.end();
+  };
+  auto not_one_of = [](std::string_view key, const std::string& v) {
+    return absl::StrCat("'", v, "' is not one of ", absl::StrJoin(FindKey(key)->choices, ", "));
+  };
+
+  if (c.instance.empty() || c.instance.size() > kMaxInstanceChars ||
+      !std::all_of(c.instance.begin(), c.instance.end(), [](char ch) {
+        return absl::ascii_isalnum(static_cast<unsigned char>(ch)) || ch == '_' || ch == '-';
+      })) {
+    return fail("instance", absl::StrCat("'", c.instance,
+                                         "' is not a valid instance name; expected 1 to 32 "
+                                         "characters of [A-Za-z0-9_-]"));
+  }
+  if (c.socket.empty() || c.socket.size() > kMaxSocketPathBytes ||
+      c.socket.find('\0') != std::string::npos) {
+    return fail("socket", absl::StrCat("'", c.socket, "' must be a non-empty path of at most ",
+                                       kMaxSocketPathBytes, " bytes"));
+  }
+  if (!c.listen_tcp.empty() && !IsLoopbackListen(c.listen_tcp)) {
+    return fail("listen_tcp",
+                absl::StrCat("'", c.listen_tcp,
+                             "' is not a loopback address; expected 127.0.0.1:PORT, [::1]:PORT or "
+                             "localhost:PORT with PORT 0..65535, or empty (hostd serves only "
+                             "local clients)"));
+  }
+  if (!in_choices("log_level", c.log_level)) {
+    return fail("log_level", not_one_of("log_level", c.log_level));
+  }
+  if (c.model.empty()) {
+    return fail("model",
+                "must not be empty; expected tiny, tiny-tied, a directory containing "
+                "config.json, or a path to a config.json");
+  }
+  if (c.world_size < 1 || c.world_size > kMaxWorldSize) {
+    return fail("world_size",
+                absl::StrCat("must be in 1..", kMaxWorldSize, ", got ", c.world_size));
+  }
+  if (!in_choices("init", c.init)) return fail("init", not_one_of("init", c.init));
+
+  const OptimizerConfig& o = c.optimizer;
+  if (!std::isfinite(o.lr()) || o.lr() < 0) {
+    return fail("lr", absl::StrCat("must be a finite number >= 0, got ", FormatDouble(o.lr())));
+  }
+  if (!(o.beta1() >= 0 && o.beta1() < 1)) {
+    return fail("beta1", absl::StrCat("must be in [0, 1), got ", FormatDouble(o.beta1())));
+  }
+  if (!(o.beta2() >= 0 && o.beta2() < 1)) {
+    return fail("beta2", absl::StrCat("must be in [0, 1), got ", FormatDouble(o.beta2())));
+  }
+  if (!std::isfinite(o.eps()) || o.eps() <= 0) {
+    return fail("eps", absl::StrCat("must be a finite number > 0, got ", FormatDouble(o.eps())));
+  }
+  if (!std::isfinite(o.weight_decay()) || o.weight_decay() < 0) {
+    return fail("weight_decay",
+                absl::StrCat("must be a finite number >= 0, got ", FormatDouble(o.weight_decay())));
+  }
+  if (!slidedp::v1::LrScheduleKind_IsValid(o.schedule())) {
+    return fail("schedule", absl::StrCat("invalid value ", static_cast<int>(o.schedule()),
+                                         "; expected one of constant, linear, cosine"));
+  }
+  if (!(o.min_lr_ratio() >= 0 && o.min_lr_ratio() <= 1)) {
+    return fail("min_lr_ratio",
+                absl::StrCat("must be in [0, 1], got ", FormatDouble(o.min_lr_ratio())));
+  }
+  const bool decays = o.schedule() == slidedp::v1::LR_SCHEDULE_LINEAR ||
+                      o.schedule() == slidedp::v1::LR_SCHEDULE_COSINE;
+  if (decays && o.total_steps() > 0 && o.warmup_steps() > o.total_steps()) {
+    return fail("warmup_steps",
+                absl::StrCat(o.warmup_steps(), " exceeds total_steps (", o.total_steps(),
+                             "); with a decaying schedule warmup_steps must be <= total_steps"));
+  }
+  if (!slidedp::v1::ClipPolicy_IsValid(o.clip())) {
+    return fail("clip", absl::StrCat("invalid value ", static_cast<int>(o.clip()),
+                                     "; expected one of none, per_layer, global"));
+  }
+  if (!std::isfinite(o.max_grad_norm()) || o.max_grad_norm() <= 0) {
+    return fail("max_grad_norm",
+                absl::StrCat("must be a finite number > 0, got ", FormatDouble(o.max_grad_norm())));
+  }
+  if (o.grad_dtype() != slidedp::v1::DTYPE_BF16 && o.grad_dtype() != slidedp::v1::DTYPE_FP32) {
+    return fail("grad_dtype", absl::StrCat("invalid value ", static_cast<int>(o.grad_dtype()),
+                                           "; expected one of bf16, fp32"));
+  }
+
+  if (!slidedp::v1::ParamRoute_IsValid(c.routes.param_route())) {
+    return fail("param_route",
+                absl::StrCat("invalid value ", static_cast<int>(c.routes.param_route()),
+                             "; expected one of replicated, sharded"));
+  }
+  if (!slidedp::v1::GradRoute_IsValid(c.routes.grad_route())) {
+    return fail("grad_route",
+                absl::StrCat("invalid value ", static_cast<int>(c.routes.grad_route()),
+                             "; expected one of cpu_reduction, gpu_reduction, reduce_scatter"));
+  }
+  const uint64_t chunk = c.routes.chunk_bytes();
+  if (chunk < kMinChunkBytes || chunk > kMaxChunkBytes || chunk % 4096 != 0) {
+    return fail("chunk_bytes", absl::StrCat("must be a multiple of 4096 from 4KiB to 1GiB, got ",
+                                            chunk, " (", FormatSize(chunk), ")"));
+  }
+
+  if (c.numa_node < -1) {
+    return fail("numa_node", absl::StrCat("must be >= -1 (-1: auto), got ", c.numa_node));
+  }
+  if (c.update_threads < 0) {
+    return fail("update_threads",
+                absl::StrCat("must be >= 0 (0: all cores of the node), got ", c.update_threads));
+  }
+  if (!in_choices("isa", c.isa)) return fail("isa", not_one_of("isa", c.isa));
+  if (!in_choices("mlock", c.mlock)) return fail("mlock", not_one_of("mlock", c.mlock));
+  if (!in_choices("shm_mode", c.shm_mode)) {
+    return fail("shm_mode", not_one_of("shm_mode", c.shm_mode));
+  }
+  if (!c.shm_group.empty() && c.shm_mode != "0660") {
+    return fail("shm_group", absl::StrCat("'", c.shm_group, "' is set but shm_mode is ", c.shm_mode,
+                                          "; a group needs shm_mode 0660"));
+  }
+  if (c.heartbeat_interval_ms < 1) {
+    return fail("heartbeat_interval_ms", "must be >= 1");
+  }
+  if (c.heartbeat_deadline_ms <= c.heartbeat_interval_ms) {
+    return fail(
+        "heartbeat_deadline_ms",
+        absl::StrCat(c.heartbeat_deadline_ms, " must be greater than heartbeat_interval_ms (",
+                     c.heartbeat_interval_ms, ")"));
+  }
+  return absl::OkStatus();
+}
+
+// ---------------------------------------------------------------------------------------------
+// Sources.
+
+std::string Placeholder(const KeyDescriptor& d) {
+  switch (d.kind) {
+    case ValueKind::kString:
+      return "TEXT";
+    case ValueKind::kEnum:
+      return absl::StrCat("{", absl::StrJoin(d.choices, "|"), "}");
+    case ValueKind::kBool:
+      return "{true|false}";
+    case ValueKind::kInt:
+      return "INT";
+    case ValueKind::kUint:
+      return "UINT";
+    case ValueKind::kDouble:
+      return "NUMBER";
+    case ValueKind::kSize:
+      return "SIZE";
+  }
+  return "VALUE";
+}
+
+// Greedy word wrap of `text` into lines of at most `width` columns, each prefixed by `indent`.
+std::string Wrap(std::string_view text, std::string_view indent, size_t width = 80) {
+  std::string out;
+  size_t col = 0;
+  for (absl::string_view word : absl::StrSplit(Av(text), ' ', absl::SkipEmpty())) {
+    if (col > 0 && col + 1 + word.size() > width) {
+      out += '\n';
+      col = 0;
+    }
+    if (col == 0) {
+      absl::StrAppend(&out, Av(indent), word);
+      col = indent.size() + word.size();
+    } else {
+      absl::StrAppend(&out, " ", word);
+      col += 1 + word.size();
+    }
+  }
+  out += '\n';
+  return out;
+}
+
+std::string HelpText(std::string_view program) {
+  const HostdConfig defaults;
+  std::string out = absl::StrCat(
+      "Usage: ", Av(program), " [--config FILE] [--print-config] [--KEY VALUE]...\n\n",
+      "SlideDP host daemon: owns the FP32 master weights and Adam state of a model in shared\n"
+      "memory and serves rank processes over a unix socket.\n\n",
+      "Configuration, highest precedence first:\n"
+      "  flags        --KEY VALUE or --KEY=VALUE\n"
+      "  environment  SLIDEDP_<KEY in upper case>, e.g. SLIDEDP_LR=3e-4\n"
+      "  TOML file    flat `key = value` lines with the same names, e.g. lr = 3e-4,\n"
+      "               grad_route = \"cpu_reduction\"; named by --config or SLIDEDP_CONFIG\n"
+      "  defaults     shown below\n\n"
+      "Options:\n"
+      "  -h, --help\n      Print this help and exit.\n"
+      "  --config FILE\n      TOML config file to read.\n      env: SLIDEDP_CONFIG\n"
+      "  --print-config\n      Print the effective configuration as TOML, each value commented "
+      "with its\n      source (default, file, env, flag), and exit.\n");
+  std::string section;
+  for (const KeyDescriptor& d : Keys()) {
+    if (d.section != section) {
+      section = d.section;
+      absl::StrAppend(&out, "\n", section, ":\n");
+    }
+    std::string def = d.get(defaults);
+    if (def.empty()) def = "(empty)";
+    absl::StrAppend(&out, "  --", d.name, " ", Placeholder(d), "\n", Wrap(d.help, "      "),
+                    "      default: ", def, "   env: ", ConfigEnvName(d.name), "\n");
+  }
+  return out;
+}
+
+absl::StatusOr<std::string> ReadFile(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) {
+    return absl::NotFoundError(
+        absl::StrCat("config file ", path, ": cannot open: ", std::strerror(errno)));
+  }
+  std::ostringstream ss;
+  ss << in.rdbuf();
+  if (in.bad()) return absl::NotFoundError(absl::StrCat("config file ", path, ": read failed"));
+  return ss.str();
+}
+
+std::string_view TomlTypeName(const toml::node& n) {
+  switch (n.type()) {
+    case toml::node_type::string:
+      return "a string";
+    case toml::node_type::integer:
+      return "an integer";
+    case toml::node_type::floating_point:
+      return "a float";
+    case toml::node_type::boolean:
+      return "a boolean";
+    case toml::node_type::table:
+      return "a table";
+    case toml::node_type::array:
+      return "an array";
+    default:
+      return "a date/time";
+  }
+}
+
+// The text form of a TOML value for `d`'s parser, or an error naming the expected TOML type.
+absl::StatusOr<std::string> TomlValueText(const KeyDescriptor& d, const toml::node& n) {
+  auto expected = [&n](std::string_view what) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("expected ", Av(what), ", got ", Av(TomlTypeName(n))));
+  };
+  switch (d.kind) {
+    case ValueKind::kString:
+      if (n.is_string()) return n.as_string()->get();
+      return expected("a string");
+    case ValueKind::kEnum:
+      if (n.is_string()) return n.as_string()->get();
+      return expected(absl::StrCat("a string, one of ", absl::StrJoin(d.choices, ", ")));
+    case ValueKind::kBool:
+      if (n.is_boolean()) return std::string(n.as_boolean()->get() ? "true" : "false");
+      return expected("a boolean (true or false)");
+    case ValueKind::kInt:
+      if (n.is_integer()) return absl::StrCat(n.as_integer()->get());
+      return expected("an integer");
+    case ValueKind::kUint:
+      if (n.is_integer()) return absl::StrCat(n.as_integer()->get());
+      // TOML integers stop at 2^63-1; larger values are written as strings.
+      if (n.is_string()) return n.as_string()->get();
+      return expected("an unsigned integer");
+    case ValueKind::kDouble:
+      if (n.is_floating_point()) return FormatDouble(n.as_floating_point()->get());
+      if (n.is_integer()) return absl::StrCat(n.as_integer()->get());
+      return expected("a number");
+    case ValueKind::kSize:
+      if (n.is_integer()) return absl::StrCat(n.as_integer()->get());
+      if (n.is_string()) return n.as_string()->get();
+      return expected("an integer or a size string such as \"16MiB\"");
+  }
+  return expected("a value");
+}
+
+absl::Status ApplyFile(const std::string& path, HostdConfig& c, std::vector<Origin>& origins) {
+  ASSIGN_OR_RETURN(const std::string text, ReadFile(path));
+  toml::table table;
+  try {
+    table = toml::parse(text, path);
+  } catch (const toml::parse_error& e) {
+    return absl::InvalidArgumentError(absl::StrCat("config file ", path, ":", e.source().begin.line,
+                                                   ":", e.source().begin.column, ": ",
+                                                   Av(e.description())));
+  }
+  // Report problems in file order rather than the table's key order.
+  std::vector<std::pair<const toml::key*, const toml::node*>> items;
+  for (const auto& [key, node] : table) items.emplace_back(&key, &node);
+  std::sort(items.begin(), items.end(), [](const auto& a, const auto& b) {
+    return a.first->source().begin.line < b.first->source().begin.line;
+  });
+  const std::vector<KeyDescriptor>& keys = Keys();
+  for (const auto& [key, node] : items) {
+    const std::string name(key->str());
+    const std::string detail = absl::StrCat("file ", path, ":", key->source().begin.line);
+    const auto it = std::find_if(keys.begin(), keys.end(),
+                                 [&name](const KeyDescriptor& d) { return d.name == name; });
+    if (it == keys.end()) {
+      if (node->is_table()) {
+        return KeyError(name, detail,
+                        "is a table; hostd's config file has flat keys only (see hostd --help)");
+      }
+      return KeyError(name, detail,
+                      absl::StrCat("unknown key", Suggestion(name, ""), "; see hostd --help"));
+    }
+    absl::StatusOr<std::string> value = TomlValueText(*it, *node);
+    if (!value.ok()) return KeyError(name, detail, std::string(value.status().message()));
+    RETURN_IF_ERROR(SetFrom(*it, c, *value, detail));
+    origins[static_cast<size_t>(it - keys.begin())] = {"file", detail};
+  }
+  return absl::OkStatus();
+}
+
+std::string TomlQuote(std::string_view s) {
+  std::string out = "\"";
+  for (const char ch : s) {
+    const auto u = static_cast<unsigned char>(ch);
+    if (ch == '"' || ch == '\\') {
+      out += '\\';
+      out += ch;
+    } else if (u < 0x20 || u == 0x7f) {
+      absl::StrAppend(&out, "\\u00", absl::Hex(u, absl::kZeroPad2));
+    } else {
+      out += ch;
+    }
+  }
+  out += '"';
+  return out;
+}
+
+std::string TomlValue(const KeyDescriptor* d, const std::string& value) {
+  if (d == nullptr) return TomlQuote(value);
+  switch (d->kind) {
+    case ValueKind::kBool:
+    case ValueKind::kInt:
+    case ValueKind::kDouble:
+      return value;
+    case ValueKind::kUint: {
+      uint64_t v = 0;
+      if (absl::SimpleAtoi(value, &v) && v <= static_cast<uint64_t>(INT64_MAX)) return value;
+      return TomlQuote(value);
+    }
+    case ValueKind::kString:
+    case ValueKind::kEnum:
+    case ValueKind::kSize:
+      return TomlQuote(value);
+  }
+  return TomlQuote(value);
+}
+
+}  // namespace
+
+OptimizerConfig DefaultOptimizerConfig() {
+  OptimizerConfig o;
+  o.set_lr(1e-4);
+  o.set_beta1(0.9);
+  o.set_beta2(0.999);
+  o.set_eps(1e-8);
+  o.set_weight_decay(0.01);
+  o.set_no_decay_norms_and_biases(true);
+  o.set_schedule(slidedp::v1::LR_SCHEDULE_CONSTANT);
+  o.set_warmup_steps(0);
+  o.set_total_steps(0);
+  o.set_min_lr_ratio(0);
+  o.set_clip(slidedp::v1::CLIP_POLICY_NONE);
+  o.set_max_grad_norm(1.0);
+  o.set_grad_dtype(slidedp::v1::DTYPE_BF16);
+  o.set_scale_by_world_size(true);
+  return o;
+}
+
+Routes DefaultRoutes() {
+  Routes r;
+  r.set_param_route(slidedp::v1::PARAM_ROUTE_REPLICATED);
+  r.set_grad_route(slidedp::v1::GRAD_ROUTE_CPU_REDUCTION);
+  r.set_chunk_bytes(16 * kMiB);
+  return r;
+}
+
+std::vector<std::string> ConfigKeys() {
+  std::vector<std::string> out;
+  for (const KeyDescriptor& d : Keys()) out.push_back(d.name);
+  return out;
+}
+
+std::string ConfigEnvName(std::string_view key) {
+  return absl::StrCat("SLIDEDP_", absl::AsciiStrToUpper(Av(key)));
+}
+
+std::map<std::string, std::string> ProcessEnvironment() {
+  std::map<std::string, std::string> env;
+  for (char** e = environ; e != nullptr && *e != nullptr; ++e) {
+    const std::string_view kv(*e);
+    if (!kv.starts_with("SLIDEDP_")) continue;
+    const size_t eq = kv.find('=');
+    if (eq == std::string_view::npos) continue;
+    env.emplace(std::string(kv.substr(0, eq)), std::string(kv.substr(eq + 1)));
+  }
+  return env;
+}
+
+std::vector<ConfigEntry> ConfigEntries(const HostdConfig& config, std::string_view source) {
+  std::vector<ConfigEntry> out;
+  for (const KeyDescriptor& d : Keys()) {
+    out.push_back({d.name, d.get(config), std::string(source)});
+  }
+  return out;
+}
+
+absl::Status ValidateConfig(const HostdConfig& config) {
+  return Validate(config, [](std::string_view) { return std::string(); });
+}
+
+std::string ConfigToToml(const std::vector<ConfigEntry>& entries) {
+  std::vector<std::string> lines;
+  size_t width = 0;
+  for (const ConfigEntry& e : entries) {
+    lines.push_back(absl::StrCat(e.key, " = ", TomlValue(FindKey(e.key), e.value)));
+    width = std::max(width, lines.back().size());
+  }
+  width = std::min<size_t>(width, 48);
+  std::string out =
+      "# hostd effective configuration; each value is commented with its source\n"
+      "# (default, file, env SLIDEDP_<KEY>, flag --KEY).\n";
+  for (size_t i = 0; i < entries.size(); ++i) {
+    absl::StrAppend(&out, lines[i], std::string(width + 2 - std::min(width, lines[i].size()), ' '),
+                    "# ", entries[i].source, "\n");
+  }
+  return out;
+}
+
+absl::StatusOr<LoadedConfig> LoadConfig(int argc, const char* const* argv,
+                                        const std::map<std::string, std::string>& env) {
+  const std::vector<KeyDescriptor>& keys = Keys();
+  const std::string program = argc > 0 && argv[0] != nullptr && argv[0][0] != '\0'
+                                  ? std::filesystem::path(argv[0]).filename().string()
+                                  : std::string("hostd");
+
+  LoadedConfig out;
+  out.help_text = HelpText(program);
+
+  // Command line. Values are kept as text and parsed below by the same functions as env and file.
+  CLI::App app{"SlideDP host daemon", program};
+  app.set_help_flag();  // our own --help prints the key table
+  app.allow_extras();   // reported below with a suggestion
+  std::vector<std::string> flag_values(keys.size());
+  std::vector<CLI::Option*> flag_options(keys.size());
+  for (size_t i = 0; i < keys.size(); ++i) {
+    flag_options[i] = app.add_option("--" + keys[i].name, flag_values[i], keys[i].help)
+                          ->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
+  }
+  std::string config_flag;
+  CLI::Option* config_option = app.add_option("--config", config_flag, "TOML config file")
+                                   ->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
+  app.add_flag("--print-config", out.print_config, "Print the effective configuration");
+  app.add_flag("-h,--help", out.show_help, "Print help");
+  if (argc > 0) {
+    try {
+      app.parse(argc, argv);
+    } catch (const CLI::ParseError& e) {
+      return absl::InvalidArgumentError(absl::StrCat("command line: ", e.what()));
+    }
+  }
+  const std::vector<std::string> extras = app.remaining();
+  if (!extras.empty()) {
+    const std::string& first = extras.front();
+    if (first.starts_with("-") && first != "--") {
+      const std::string flag = first.substr(0, first.find('='));
+      const size_t dashes = flag.starts_with("--") ? 2 : 1;
+      return absl::InvalidArgumentError(absl::StrCat(
+          "command line: unknown flag '", flag, "'",
+          Suggestion(std::string_view(flag).substr(dashes), "--"), "; see --help for the keys"));
+    }
+    return absl::InvalidArgumentError(absl::StrCat("command line: unexpected argument '", first,
+                                                   "'; hostd takes only --KEY VALUE flags"));
+  }
+  if (out.show_help) {
+    out.entries = ConfigEntries(out.config, "default");
+    return out;
+  }
+
+  HostdConfig& c = out.config;
+  std::vector<Origin> origins(keys.size());
+
+  // File: --config, else SLIDEDP_CONFIG (empty means none).
+  if (config_option->count() > 0) {
+    if (config_flag.empty()) {
+      return absl::InvalidArgumentError("config (flag --config): empty path; expected a file");
+    }
+    c.config_file = config_flag;
+  } else if (auto it = env.find("SLIDEDP_CONFIG"); it != env.end() && !it->second.empty()) {
+    c.config_file = it->second;
+  }
+  if (!c.config_file.empty()) RETURN_IF_ERROR(ApplyFile(c.config_file, c, origins));
+
+  for (size_t i = 0; i < keys.size(); ++i) {
+    const std::string env_name = ConfigEnvName(keys[i].name);
+    const auto it = env.find(env_name);
+    if (it == env.end()) continue;
+    const std::string detail = absl::StrCat("env ", env_name);
+    RETURN_IF_ERROR(SetFrom(keys[i], c, it->second, detail));
+    origins[i] = {"env", detail};
+  }
+
+  for (size_t i = 0; i < keys.size(); ++i) {
+    if (flag_options[i]->count() == 0) continue;
+    const std::string detail = absl::StrCat("flag --", keys[i].name);
+    RETURN_IF_ERROR(SetFrom(keys[i], c, flag_values[i], detail));
+    origins[i] = {"flag", detail};
+  }
+
+  RETURN_IF_ERROR(Validate(c, [&](std::string_view key) {
+    for (size_t i = 0; i < keys.size(); ++i) {
+      if (keys[i].name == key) return origins[i].detail;
+    }
+    return std::string();
+  }));
+
+  out.entries.reserve(keys.size());
+  for (size_t i = 0; i < keys.size(); ++i) {
+    out.entries.push_back({keys[i].name, keys[i].get(c), origins[i].source});
+  }
+  return out;
+}
+
+}  // namespace slidedp::hostd

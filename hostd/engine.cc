@@ -1,0 +1,843 @@
+#include "hostd/engine.h"
+
+#include <linux/futex.h>
+#include <signal.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <random>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/string_view.h"
+#include "common/status_macros.h"
+#include "common/version.h"
+#include "hostd/manifest.h"
+#include "spdlog/spdlog.h"
+
+namespace slidedp::hostd {
+namespace {
+
+using std::chrono::milliseconds;
+using SteadyClock = std::chrono::steady_clock;
+
+uint64_t MonotonicNs() {
+  timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return static_cast<uint64_t>(ts.tv_sec) * 1000000000ull + static_cast<uint64_t>(ts.tv_nsec);
+}
+
+std::string RandomHex(int bytes) {
+  std::random_device rd;
+  std::string out;
+  static const char* kHex = "0123456789abcdef";
+  for (int i = 0; i < bytes; ++i) {
+    const unsigned b = rd() & 0xff;
+    out.push_back(kHex[b >> 4]);
+    out.push_back(kHex[b & 15]);
+  }
+  return out;
+}
+
+absl::StatusOr<kernels::Isa> ChooseIsa(const std::string& name) {
+  if (name.empty() || name == "auto") return kernels::BestIsa();
+  std::optional<kernels::Isa> isa = kernels::ParseIsa(name);
+  if (!isa) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("isa: '", name, "' is not one of auto, scalar, avx2, avx512, avx512bf16"));
+  }
+  if (!kernels::IsaSupported(*isa)) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("isa: this CPU does not support ", name, "; best supported is ",
+                     std::string(kernels::IsaName(kernels::BestIsa()))));
+  }
+  return *isa;
+}
+
+}  // namespace
+
+slidedp::v1::BuildInfo DaemonBuildInfo() {
+  slidedp::v1::BuildInfo b;
+  b.set_version(kVersion);
+  b.set_git_revision(kGitRevision);
+  b.set_protocol_version(kProtocolVersion);
+  b.set_shm_abi_version(kShmAbiVersion);
+  b.set_component("hostd");
+  for (const char* f : {"cpu_reduction", "per_layer_clip", "global_clip", "lr_schedules",
+                        "nonfinite_skip", "nccl_rendezvous"}) {
+    b.add_features(f);
+  }
+  return b;
+}
+
+Engine::Engine(HostdConfig config, std::vector<ConfigEntry> entries)
+    : config_(std::move(config)), entries_(std::move(entries)), started_(SteadyClock::now()) {}
+
+absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const HostdConfig& config,
+                                                       std::vector<ConfigEntry> entries,
+                                                       std::optional<Topology> topology) {
+  std::unique_ptr<Engine> e(new Engine(config, std::move(entries)));
+  RETURN_IF_ERROR(e->Init(std::move(topology)));
+  return e;
+}
+
+absl::Status Engine::Init(std::optional<Topology> topology) {
+  if (topology) {
+    topology_ = std::move(*topology);
+  } else {
+    ASSIGN_OR_RETURN(topology_, DiscoverTopology());
+  }
+  ASSIGN_OR_RETURN(state_node_, ChooseStateNode(topology_, config_.numa_node));
+  ASSIGN_OR_RETURN(worker_cpus_, WorkerCpus(topology_, state_node_, config_.update_threads));
+  ASSIGN_OR_RETURN(isa_, ChooseIsa(config_.isa));
+  ThreadPool::Options po;
+  po.num_threads = static_cast<int>(worker_cpus_.size());
+  po.cpus = worker_cpus_;
+  po.name = "slidedp-update";
+  ASSIGN_OR_RETURN(pool_, ThreadPool::Create(po));
+  spdlog::info(
+      "topology: {} NUMA node(s), {} cores, {} GPU(s); state on node {}; {} update "
+      "threads; ISA {}",
+      topology_.nodes.size(), topology_.cores, topology_.gpus.size(), state_node_,
+      worker_cpus_.size(), kernels::IsaName(isa_));
+
+  if (config_.model != "none" && !config_.model.empty()) {
+    ASSIGN_OR_RETURN(LoadedModel model, LoadModel(config_.model));
+    slidedp::v1::JobSpec spec;
+    spec.set_job_id("default");
+    *spec.mutable_optimizer() = config_.optimizer;
+    *spec.mutable_routes() = config_.routes;
+    spec.set_world_size(config_.world_size);
+    spec.set_seed(config_.seed);
+    absl::MutexLock lock(&mu_);
+    RETURN_IF_ERROR(CreateJobLocked(std::move(spec), std::move(model)));
+  }
+  monitor_ = std::thread([this] { MonitorLoop(); });
+  return absl::OkStatus();
+}
+
+Engine::~Engine() { Shutdown(/*remove_state=*/false); }
+
+void Engine::Shutdown(bool remove_state) {
+  {
+    absl::MutexLock lock(&mu_);
+    if (serving_) {
+      serving_ = false;
+      if (running_step_ != 0) AbortStepLocked(running_step_, "hostd is shutting down");
+      slidedp::v1::SessionEvent ev;
+      ev.mutable_shutting_down()->set_reason("hostd is shutting down");
+      BroadcastLocked(ev);
+      if (state_) {
+        shm::Atomic(state_->control().shutting_down).store(1, std::memory_order_release);
+        shm::Atomic(state_->control().wake_seq).fetch_add(1);
+        FutexWakeAll(&state_->control().wake_seq);
+      }
+    }
+    monitor_stop_ = true;
+  }
+  if (monitor_.joinable()) monitor_.join();
+  if (worker_) worker_->Stop();
+  if (state_ && remove_state) state_->set_remove_on_destroy(true);
+}
+
+absl::Status Engine::CheckServing() const {
+  if (!serving_) return absl::UnavailableError("hostd is shutting down");
+  return absl::OkStatus();
+}
+
+absl::Status Engine::CheckJob(absl::string_view job_id) const {
+  RETURN_IF_ERROR(CheckServing());
+  if (!job_) {
+    return absl::FailedPreconditionError(
+        "no job exists yet: create one with CreateJob (or start hostd with --model)");
+  }
+  if (!job_id.empty() && job_id != job_->job_id()) {
+    return absl::NotFoundError(
+        absl::StrCat("job_id: unknown job '", job_id, "'; this hostd has '", job_->job_id(), "'"));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<slidedp::v1::HandshakeResponse> Engine::Handshake(
+    const slidedp::v1::HandshakeRequest& r) {
+  const auto& c = r.client();
+  if (c.protocol_version() != kProtocolVersion) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "version skew: ", c.component().empty() ? "client" : c.component(), " ", c.version(),
+        " speaks protocol_version ", c.protocol_version(), " but hostd ", kVersion,
+        " speaks protocol_version ", kProtocolVersion, "; install matching versions"));
+  }
+  if (c.shm_abi_version() != 0 && c.shm_abi_version() != kShmAbiVersion) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "version skew: ", c.component().empty() ? "client" : c.component(), " ", c.version(),
+        " uses shm_abi_version ", c.shm_abi_version(), " but hostd ", kVersion,
+        " uses shm_abi_version ", kShmAbiVersion, "; install matching versions"));
+  }
+  slidedp::v1::HandshakeResponse resp;
+  *resp.mutable_daemon() = DaemonBuildInfo();
+  resp.set_instance(config_.instance);
+  return resp;
+}
+
+absl::Status Engine::CreateJobLocked(slidedp::v1::JobSpec spec, LoadedModel model) {
+  if (spec.world_size() == 0) spec.set_world_size(1);
+  if (spec.world_size() > shm::kMaxRanks) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("spec.world_size: expected 1..", shm::kMaxRanks, ", got ", spec.world_size()));
+  }
+  ASSIGN_OR_RETURN(*spec.mutable_optimizer(), NormalizeOptimizerConfig(spec.optimizer()));
+  auto* routes = spec.mutable_routes();
+  if (routes->param_route() == slidedp::v1::PARAM_ROUTE_UNSPECIFIED) {
+    routes->set_param_route(slidedp::v1::PARAM_ROUTE_REPLICATED);
+  }
+  if (routes->grad_route() == slidedp::v1::GRAD_ROUTE_UNSPECIFIED) {
+    routes->set_grad_route(slidedp::v1::GRAD_ROUTE_CPU_REDUCTION);
+  }
+  if (routes->chunk_bytes() == 0) routes->set_chunk_bytes(config_.routes.chunk_bytes());
+  if (routes->chunk_bytes() < 4096 || routes->chunk_bytes() % 4096 != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("routes.chunk_bytes: expected a multiple of 4096 of at least 4096, got ",
+                     routes->chunk_bytes()));
+  }
+  if (spec.job_id().empty()) spec.set_job_id("default");
+
+  TrainingState::Options so;
+  so.instance = config_.instance;
+  so.model = std::move(model);
+  so.model.manifest.set_manifest_hash(ManifestHashHex(ManifestHash(so.model.manifest)));
+  so.world_size = spec.world_size();
+  so.numa_node = topology_.nodes.size() > 1 || config_.numa_node >= 0 ? state_node_ : -1;
+  so.mode = config_.shm_mode == "0660" ? 0660 : 0600;
+  so.mlock = config_.mlock == "off"           ? MlockPolicy::kOff
+             : config_.mlock == "best_effort" ? MlockPolicy::kBestEffort
+                                              : MlockPolicy::kRequired;
+  so.seed = spec.seed();
+  so.zero_init = config_.init == "zeros";
+  so.instance_nonce = std::random_device()() | (uint64_t{std::random_device()()} << 32);
+  // Segments left by an earlier hostd of this instance: one that is still alive owns them;
+  // otherwise they are stale (re-adoption is a later capability) and are removed.
+  const std::string control_name = SegmentName(config_.instance, shm::SegmentKind::kControl);
+  if (ShmSegment::Exists(control_name)) {
+    auto old = ShmSegment::Open(control_name, /*writable=*/false);
+    if (old.ok() && old->size_bytes() >= shm::kRankSlotsOffset) {
+      const auto pid = static_cast<pid_t>(
+          shm::Atomic(old->at<shm::ControlBlock>(shm::kControlBlockOffset)->hostd_pid).load());
+      if (pid > 0 && pid != getpid() && kill(pid, 0) == 0) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            "instance '", config_.instance, "' is in use by hostd pid ", pid, " (segment /dev/shm/",
+            control_name, "); stop it or choose another --instance"));
+      }
+    }
+    spdlog::warn("removing stale shared-memory segments of instance '{}'", config_.instance);
+    RETURN_IF_ERROR(TrainingState::RemoveSegments(config_.instance));
+  }
+  const auto t0 = SteadyClock::now();
+  ASSIGN_OR_RETURN(state_, TrainingState::Create(so, pool_.get()));
+  spdlog::info(
+      "job '{}': model {} ({}), {} layers, {} parameters, {:.2f} GiB shared memory, "
+      "created in {:.2f} s",
+      spec.job_id(), state_->model().manifest.name(), state_->model().source, state_->num_layers(),
+      state_->total_params(), static_cast<double>(state_->shm_bytes()) / (1ull << 30),
+      std::chrono::duration<double>(SteadyClock::now() - t0).count());
+  *spec.mutable_manifest() = state_->model().manifest;
+  UpdateWorker::Options wo;
+  wo.isa = isa_;
+  wo.chunk_elements = std::max<uint64_t>(routes->chunk_bytes() / 2, kernels::kStatsBlock) /
+                      kernels::kStatsBlock * kernels::kStatsBlock;
+  worker_ = std::make_unique<UpdateWorker>(state_.get(), pool_.get(), wo, spec.optimizer());
+  worker_->Start();
+  ranks_.assign(spec.world_size(), RankEntry{});
+  last_grad_norm_.assign(state_->num_layers(), 0.0);
+  job_ = std::move(spec);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<slidedp::v1::CreateJobResponse> Engine::CreateJob(
+    const slidedp::v1::CreateJobRequest& r) {
+  RETURN_IF_ERROR(ValidateManifest(r.spec().manifest()));
+  absl::MutexLock lock(&mu_);
+  RETURN_IF_ERROR(CheckServing());
+  if (job_) {
+    const uint64_t want = ManifestHash(r.spec().manifest());
+    if (want == state_->manifest_hash() &&
+        (r.spec().job_id().empty() || r.spec().job_id() == job_->job_id())) {
+      // Idempotent: the same model is already loaded (e.g. hostd started with --model).
+      slidedp::v1::CreateJobResponse resp;
+      *resp.mutable_spec() = *job_;
+      return resp;
+    }
+    return absl::AlreadyExistsError(
+        absl::StrCat("a job already exists ('", job_->job_id(), "', manifest ",
+                     ManifestHashHex(state_->manifest_hash()),
+                     "); this hostd serves one job; requested manifest ", ManifestHashHex(want)));
+  }
+  LoadedModel model;
+  model.manifest = r.spec().manifest();
+  model.source = "rpc";
+  RETURN_IF_ERROR(CreateJobLocked(r.spec(), std::move(model)));
+  slidedp::v1::CreateJobResponse resp;
+  *resp.mutable_spec() = *job_;
+  return resp;
+}
+
+absl::StatusOr<slidedp::v1::AttachRankResponse> Engine::AttachRank(
+    const slidedp::v1::AttachRankRequest& r) {
+  absl::MutexLock lock(&mu_);
+  if (!job_ && serving_) {
+    return absl::FailedPreconditionError(
+        "attach before the model exists: no job yet; create one with CreateJob first");
+  }
+  RETURN_IF_ERROR(CheckJob(r.job_id()));
+  if (r.rank() >= job_->world_size()) {
+    return absl::OutOfRangeError(absl::StrCat("rank: expected 0..", job_->world_size() - 1,
+                                              " (world_size ", job_->world_size(), "), got ",
+                                              r.rank()));
+  }
+  const std::string have = ManifestHashHex(state_->manifest_hash());
+  if (r.manifest_hash() != have) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("manifest_hash: the rank's model has manifest ",
+                     r.manifest_hash().empty() ? "(empty)" : r.manifest_hash(),
+                     " but the job's is ", have, "; the rank must build the same model as hostd"));
+  }
+  RankEntry& e = ranks_[r.rank()];
+  if (e.attached) {
+    return absl::AlreadyExistsError(
+        absl::StrCat("rank ", r.rank(), " is already attached (pid ", e.pid, "); detach it first"));
+  }
+  e = RankEntry{};
+  e.attached = true;
+  e.token = absl::StrCat(RandomHex(16), "-", ++token_counter_);
+  e.pid = r.pid();
+  e.hostname = r.hostname();
+  e.gpu = r.gpu();
+  e.last_heartbeat = SteadyClock::now();
+  shm::RankSlot& slot = state_->rank_slot(r.rank());
+  shm::Atomic(slot.pid).store(static_cast<uint64_t>(r.pid()));
+  shm::Atomic(slot.heartbeat_ns).store(MonotonicNs());
+  shm::Atomic(slot.attached).store(1, std::memory_order_release);
+
+  slidedp::v1::AttachRankResponse resp;
+  resp.set_attach_token(e.token);
+  resp.set_next_step(next_step_);
+  slidedp::v1::Layout* layout = resp.mutable_layout();
+  layout->set_chunk_bytes(job_->routes().chunk_bytes());
+  layout->set_manifest_hash(have);
+  layout->set_world_size(job_->world_size());
+  for (const auto& seg : state_->segments()) {
+    if (seg.kind == shm::SegmentKind::kState) continue;  // hostd only
+    auto* s = layout->add_segments();
+    s->set_name(seg.name);
+    s->set_kind(static_cast<slidedp::v1::SegmentKind>(seg.kind));
+    s->set_size_bytes(seg.size_bytes);
+    s->set_numa_node(seg.numa_node);
+  }
+  for (const LayerInfo& info : state_->layers()) {
+    auto* l = layout->add_layers();
+    l->set_layer(info.index);
+    l->set_name(info.name);
+    l->set_kind(static_cast<slidedp::v1::LayerKind>(info.kind));
+    l->set_numel(info.numel);
+    l->set_param_offset_bytes(info.param_offset);
+    l->set_param_bytes(info.param_bytes);
+    l->set_control_offset_bytes(shm::kLayerControlOffset + info.index * sizeof(shm::LayerControl));
+    const auto& spec_layer = state_->model().manifest.layers(static_cast<int>(info.index));
+    for (size_t t = 0; t < info.tensors.size(); ++t) {
+      auto* tl = l->add_tensors();
+      tl->set_name(info.tensors[t].name);
+      tl->set_offset_elements(info.tensors[t].offset);
+      tl->set_numel(info.tensors[t].numel);
+      *tl->mutable_shape() = spec_layer.tensors(static_cast<int>(t)).shape();
+    }
+  }
+  spdlog::info("rank {} attached (pid {}, host {}, gpu {})", r.rank(), r.pid(), r.hostname(),
+               r.gpu());
+  return resp;
+}
+
+absl::Status Engine::DetachRank(const slidedp::v1::DetachRankRequest& r) {
+  absl::MutexLock lock(&mu_);
+  RETURN_IF_ERROR(CheckJob(r.job_id()));
+  if (r.rank() >= ranks_.size()) {
+    return absl::OutOfRangeError(
+        absl::StrCat("rank: expected 0..", ranks_.size() - 1, ", got ", r.rank()));
+  }
+  RankEntry& e = ranks_[r.rank()];
+  if (!e.attached) {
+    return absl::FailedPreconditionError(absl::StrCat("rank ", r.rank(), " is not attached"));
+  }
+  if (r.attach_token() != e.token) {
+    return absl::PermissionDeniedError(
+        absl::StrCat("attach_token: does not match the token issued to rank ", r.rank()));
+  }
+  if (running_step_ != 0)
+    AbortStepLocked(running_step_, absl::StrCat("rank ", r.rank(), " detached"));
+  e = RankEntry{};
+  shm::Atomic(state_->rank_slot(r.rank()).attached).store(0, std::memory_order_release);
+  return absl::OkStatus();
+}
+
+void Engine::BroadcastLocked(const slidedp::v1::SessionEvent& ev) {
+  for (RankEntry& e : ranks_) {
+    if (e.connected) e.events.push_back(ev);
+  }
+}
+
+absl::StatusOr<slidedp::v1::BeginStepResponse> Engine::BeginStep(
+    const slidedp::v1::BeginStepRequest& r) {
+  absl::MutexLock lock(&mu_);
+  RETURN_IF_ERROR(CheckJob(r.job_id()));
+  if (r.rank() >= ranks_.size() || !ranks_[r.rank()].attached) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("rank ", r.rank(), " is not attached; attach before beginning a step"));
+  }
+  const uint64_t expected = running_step_ != 0 ? running_step_ : next_step_;
+  if (r.step() != expected) {
+    return absl::OutOfRangeError(absl::StrCat("step: expected ", expected,
+                                              running_step_ != 0 ? " (running)" : " (next)",
+                                              ", got ", r.step()));
+  }
+  ranks_[r.rank()].last_step = r.step();
+  shm::Atomic(state_->rank_slot(r.rank()).step).store(r.step());
+  if (running_step_ == 0) {
+    running_step_ = r.step();
+    step_state_ = "running";
+    layers_done_in_step_ = 0;
+    step_update_seconds_ = 0;
+    shm::Atomic(state_->control().step_state)
+        .store(static_cast<uint64_t>(shm::StepState::kRunning), std::memory_order_release);
+    slidedp::v1::SessionEvent ev;
+    ev.mutable_step_begun()->set_step(r.step());
+    BroadcastLocked(ev);
+  }
+  slidedp::v1::BeginStepResponse resp;
+  resp.set_step(r.step());
+  return resp;
+}
+
+void Engine::AbortStepLocked(uint64_t step, absl::string_view reason) {
+  spdlog::warn("aborting step {}: {}", step, std::string(reason));
+  steps_aborted_++;
+  running_step_ = 0;
+  next_step_ = step + 1;
+  step_state_ = "aborted";
+  shm::ControlBlock& cb = state_->control();
+  shm::Atomic(cb.step_state).store(static_cast<uint64_t>(shm::StepState::kAborting));
+  shm::Atomic(cb.abort_epoch).fetch_add(1, std::memory_order_acq_rel);
+  shm::Atomic(cb.wake_seq).fetch_add(1, std::memory_order_acq_rel);
+  FutexWakeAll(&cb.wake_seq);
+  worker_->AbortStep(step, [this, step] {
+    shm::ControlBlock& c = state_->control();
+    shm::Atomic(c.next_step).store(step + 1, std::memory_order_release);
+    shm::Atomic(c.step_state).store(static_cast<uint64_t>(shm::StepState::kIdle));
+  });
+  slidedp::v1::SessionEvent ev;
+  ev.mutable_step_aborted()->set_step(step);
+  ev.mutable_step_aborted()->set_reason(std::string(reason));
+  BroadcastLocked(ev);
+}
+
+absl::Status Engine::AbortStep(const slidedp::v1::AbortStepRequest& r) {
+  absl::MutexLock lock(&mu_);
+  RETURN_IF_ERROR(CheckJob(r.job_id()));
+  if (running_step_ == 0 || r.step() != running_step_) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("step: ", r.step(), " is not running",
+                     running_step_ != 0 ? absl::StrCat(" (running: ", running_step_, ")")
+                                        : std::string(" (no step is running)")));
+  }
+  AbortStepLocked(r.step(), r.reason().empty() ? "aborted by request" : r.reason());
+  return absl::OkStatus();
+}
+
+void Engine::OnLayerDone(const LayerUpdateResult& r) {
+  if (r.aborted) return;
+  absl::MutexLock lock(&mu_);
+  if (r.layer < last_grad_norm_.size()) last_grad_norm_[r.layer] = r.grad_norm;
+  if (r.step != running_step_) return;
+  step_update_seconds_ += r.seconds;
+  if (++layers_done_in_step_ == state_->num_layers()) {
+    steps_completed_++;
+    last_step_update_seconds_ = step_update_seconds_;
+    next_step_ = running_step_ + 1;
+    running_step_ = 0;
+    step_state_ = "idle";
+    shm::ControlBlock& cb = state_->control();
+    shm::Atomic(cb.next_step).store(next_step_, std::memory_order_release);
+    shm::Atomic(cb.step_state).store(static_cast<uint64_t>(shm::StepState::kIdle));
+  }
+}
+
+absl::Status Engine::SubmitGradient(uint32_t layer, uint64_t step, GradientRef grad,
+                                    UpdateWorker::DoneFn done) {
+  {
+    absl::MutexLock lock(&mu_);
+    RETURN_IF_ERROR(CheckJob(""));
+    if (running_step_ == 0 && step == next_step_) {
+      running_step_ = step;
+      step_state_ = "running";
+      layers_done_in_step_ = 0;
+      step_update_seconds_ = 0;
+    }
+    if (step != running_step_) {
+      return absl::OutOfRangeError(absl::StrCat(
+          "step: expected ", running_step_ ? running_step_ : next_step_, ", got ", step));
+    }
+  }
+  return worker_->Submit(layer, step, grad, [this, done](const LayerUpdateResult& r) {
+    OnLayerDone(r);
+    if (done) done(r);
+  });
+}
+
+absl::Status Engine::WaitLayerVersion(uint32_t layer, uint64_t version, milliseconds timeout) {
+  if (!state_ || layer >= state_->num_layers()) {
+    return absl::NotFoundError(absl::StrCat("layer: ", layer, " does not exist"));
+  }
+  const auto deadline = SteadyClock::now() + timeout;
+  shm::LayerControl& lc = state_->layer_control(layer);
+  for (;;) {
+    const uint32_t seq = shm::Atomic(lc.wake_seq).load(std::memory_order_acquire);
+    if (state_->committed_version(layer) >= version) return absl::OkStatus();
+    const auto now = SteadyClock::now();
+    if (now >= deadline) {
+      return absl::DeadlineExceededError(absl::StrCat("layer ", layer, " did not reach version ",
+                                                      version, " (at ",
+                                                      state_->committed_version(layer), ")"));
+    }
+    const auto left = std::chrono::duration_cast<std::chrono::nanoseconds>(deadline - now);
+    timespec ts{static_cast<time_t>(left.count() / 1000000000),
+                static_cast<long>(left.count() % 1000000000)};
+    syscall(SYS_futex, &lc.wake_seq, FUTEX_WAIT, seq, &ts, nullptr, 0);
+  }
+}
+
+absl::Status Engine::PublishCommId(const slidedp::v1::PublishCommIdRequest& r) {
+  absl::MutexLock lock(&mu_);
+  RETURN_IF_ERROR(CheckJob(r.job_id()));
+  if (r.rank() != 0) {
+    return absl::PermissionDeniedError(
+        absl::StrCat("rank: only rank 0 publishes the communicator id, got rank ", r.rank()));
+  }
+  if (r.unique_id().empty() || r.unique_id().size() > 4096) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "unique_id: expected 1..4096 bytes (128 for NCCL), got ", r.unique_id().size()));
+  }
+  if (comm_published_ && r.generation() < comm_generation_) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("generation: expected >= ", comm_generation_, ", got ", r.generation()));
+  }
+  comm_id_ = r.unique_id();
+  comm_generation_ = r.generation();
+  comm_published_ = true;
+  return absl::OkStatus();
+}
+
+absl::StatusOr<slidedp::v1::FetchCommIdResponse> Engine::FetchCommId(
+    const slidedp::v1::FetchCommIdRequest& r) {
+  absl::MutexLock lock(&mu_);
+  RETURN_IF_ERROR(CheckJob(r.job_id()));
+  if (r.rank() >= job_->world_size()) {
+    return absl::OutOfRangeError(
+        absl::StrCat("rank: expected 0..", job_->world_size() - 1, ", got ", r.rank()));
+  }
+  const uint64_t gen = r.generation();
+  auto ready = [this, gen]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return !serving_ || (comm_published_ && comm_generation_ >= gen);
+  };
+  mu_.AwaitWithTimeout(
+      absl::Condition(&ready),
+      absl::Milliseconds(static_cast<int64_t>(std::min<uint64_t>(r.wait_ms(), 600000))));
+  RETURN_IF_ERROR(CheckServing());
+  if (!comm_published_ || comm_generation_ < gen) {
+    return absl::DeadlineExceededError(
+        absl::StrCat("rank 0 has not published the communicator id of generation ", gen, " within ",
+                     r.wait_ms(), " ms"));
+  }
+  slidedp::v1::FetchCommIdResponse resp;
+  resp.set_unique_id(comm_id_);
+  return resp;
+}
+
+std::vector<slidedp::v1::LayerStatus> Engine::LayerStatuses() const {
+  std::vector<slidedp::v1::LayerStatus> out;
+  if (!state_) return out;
+  for (const LayerInfo& info : state_->layers()) {
+    slidedp::v1::LayerStatus s;
+    s.set_layer(info.index);
+    s.set_name(info.name);
+    s.set_kind(static_cast<slidedp::v1::LayerKind>(info.kind));
+    s.set_numel(info.numel);
+    s.set_version(state_->committed_version(info.index));
+    s.set_state_bytes(3 * info.state_stride);
+    s.set_param_bytes(shm::AlignUp(info.param_bytes, shm::kPayloadAlign));
+    s.set_numa_node(state_->numa_node() >= 0 ? state_->numa_node() : state_node_);
+    s.set_skipped_steps(shm::Atomic(state_->layer_control(info.index).skipped_steps).load());
+    s.set_last_grad_norm(last_grad_norm_.empty() ? 0 : last_grad_norm_[info.index]);
+    out.push_back(std::move(s));
+  }
+  return out;
+}
+
+std::vector<slidedp::v1::RankStatus> Engine::RankStatuses() const {
+  std::vector<slidedp::v1::RankStatus> out;
+  const auto now = SteadyClock::now();
+  for (uint32_t r = 0; r < ranks_.size(); ++r) {
+    const RankEntry& e = ranks_[r];
+    slidedp::v1::RankStatus s;
+    s.set_rank(r);
+    s.set_pid(e.pid);
+    s.set_hostname(e.hostname);
+    s.set_gpu(e.gpu);
+    s.set_connected(e.connected);
+    s.set_last_step(e.last_step);
+    if (e.attached) {
+      s.set_ms_since_heartbeat(static_cast<uint64_t>(
+          std::chrono::duration_cast<milliseconds>(now - e.last_heartbeat).count()));
+    }
+    out.push_back(std::move(s));
+  }
+  return out;
+}
+
+absl::StatusOr<slidedp::v1::GetStatusResponse> Engine::GetStatus() {
+  absl::MutexLock lock(&mu_);
+  slidedp::v1::GetStatusResponse resp;
+  *resp.mutable_daemon() = DaemonBuildInfo();
+  resp.set_instance(config_.instance);
+  resp.set_socket(config_.socket);
+  resp.set_uptime_ms(static_cast<uint64_t>(
+      std::chrono::duration_cast<milliseconds>(SteadyClock::now() - started_).count()));
+  auto* topo = resp.mutable_topology();
+  topo->set_numa_nodes(static_cast<int32_t>(topology_.nodes.size()));
+  topo->set_cores(topology_.cores);
+  topo->set_state_numa_node(state_node_);
+  for (int cpu : worker_cpus_) topo->add_worker_cpus(cpu);
+  for (const GpuTopology& g : topology_.gpus) {
+    auto* gi = topo->add_gpus();
+    gi->set_pci_bus_id(g.pci_bus_id);
+    gi->set_name(g.name);
+    gi->set_numa_node(g.numa_node);
+  }
+  if (!job_) return resp;
+  auto* js = resp.mutable_job();
+  js->set_job_id(job_->job_id());
+  js->set_model_name(state_->model().manifest.name());
+  js->set_family(state_->model().manifest.family());
+  js->set_world_size(job_->world_size());
+  js->set_step(steps_completed_);
+  js->set_step_state(step_state_);
+  js->set_total_params(state_->total_params());
+  js->set_manifest_hash(ManifestHashHex(state_->manifest_hash()));
+  *js->mutable_routes() = job_->routes();
+  *js->mutable_optimizer() = worker_->optimizer();
+  js->set_current_lr(LearningRate(worker_->optimizer(), next_step_));
+  for (auto& l : LayerStatuses()) *resp.add_layers() = std::move(l);
+  for (auto& r : RankStatuses()) *resp.add_ranks() = std::move(r);
+  for (const auto& seg : state_->segments()) {
+    auto* s = resp.add_segments();
+    s->set_name(seg.name);
+    s->set_kind(static_cast<slidedp::v1::SegmentKind>(seg.kind));
+    s->set_size_bytes(seg.size_bytes);
+    s->set_numa_node(seg.numa_node);
+  }
+  resp.set_shm_bytes(state_->shm_bytes());
+  resp.set_locked_bytes(state_->locked_bytes());
+  return resp;
+}
+
+absl::StatusOr<slidedp::v1::ListLayersResponse> Engine::ListLayers(
+    const slidedp::v1::ListLayersRequest& r) {
+  absl::MutexLock lock(&mu_);
+  RETURN_IF_ERROR(CheckJob(r.job_id()));
+  slidedp::v1::ListLayersResponse resp;
+  for (auto& l : LayerStatuses()) *resp.add_layers() = std::move(l);
+  return resp;
+}
+
+absl::StatusOr<slidedp::v1::ListRanksResponse> Engine::ListRanks(
+    const slidedp::v1::ListRanksRequest& r) {
+  absl::MutexLock lock(&mu_);
+  RETURN_IF_ERROR(CheckJob(r.job_id()));
+  slidedp::v1::ListRanksResponse resp;
+  for (auto& s : RankStatuses()) *resp.add_ranks() = std::move(s);
+  return resp;
+}
+
+absl::StatusOr<slidedp::v1::GetStatsResponse> Engine::GetStats(
+    const slidedp::v1::GetStatsRequest& r) {
+  absl::MutexLock lock(&mu_);
+  RETURN_IF_ERROR(CheckJob(r.job_id()));
+  const UpdateStats ws = worker_->stats();
+  slidedp::v1::GetStatsResponse resp;
+  resp.set_steps_completed(steps_completed_);
+  resp.set_steps_aborted(steps_aborted_);
+  resp.set_layer_updates(ws.layer_updates);
+  resp.set_layer_updates_skipped(ws.layer_updates_skipped);
+  resp.set_update_seconds_total(ws.update_seconds_total);
+  resp.set_last_step_update_seconds(last_step_update_seconds_);
+  resp.set_update_params_total(ws.params_updated);
+  if (last_step_update_seconds_ > 0) {
+    const double gps =
+        static_cast<double>(state_->total_params()) / last_step_update_seconds_ / 1e9;
+    resp.set_update_gparams_per_second(gps);
+    const double bytes_per_param =
+        job_->optimizer().grad_dtype() == slidedp::v1::DTYPE_FP32 ? 32.0 : 28.0;
+    resp.set_update_gbytes_per_second(gps * bytes_per_param);
+  }
+  resp.set_isa(std::string(kernels::IsaName(isa_)));
+  resp.set_update_threads(static_cast<int32_t>(worker_cpus_.size()));
+  return resp;
+}
+
+slidedp::v1::GetConfigResponse Engine::GetConfig() const {
+  slidedp::v1::GetConfigResponse resp;
+  for (const ConfigEntry& e : entries_) {
+    auto* out = resp.add_entries();
+    out->set_key(e.key);
+    out->set_value(e.value);
+    out->set_source(e.source);
+  }
+  resp.set_toml(ConfigToToml(entries_));
+  return resp;
+}
+
+absl::StatusOr<slidedp::v1::UpdateHyperParamsResponse> Engine::UpdateHyperParams(
+    const slidedp::v1::UpdateHyperParamsRequest& r) {
+  absl::MutexLock lock(&mu_);
+  RETURN_IF_ERROR(CheckJob(r.job_id()));
+  if (r.fields().empty()) {
+    return absl::InvalidArgumentError(
+        "fields: expected at least one of lr, weight_decay, max_grad_norm, beta1, beta2, eps, "
+        "warmup_steps, total_steps, min_lr_ratio, schedule, clip");
+  }
+  slidedp::v1::OptimizerConfig next = worker_->optimizer();
+  const auto& in = r.optimizer();
+  for (const std::string& f : r.fields()) {
+    if (f == "lr")
+      next.set_lr(in.lr());
+    else if (f == "weight_decay")
+      next.set_weight_decay(in.weight_decay());
+    else if (f == "max_grad_norm")
+      next.set_max_grad_norm(in.max_grad_norm());
+    else if (f == "beta1")
+      next.set_beta1(in.beta1());
+    else if (f == "beta2")
+      next.set_beta2(in.beta2());
+    else if (f == "eps")
+      next.set_eps(in.eps());
+    else if (f == "warmup_steps")
+      next.set_warmup_steps(in.warmup_steps());
+    else if (f == "total_steps")
+      next.set_total_steps(in.total_steps());
+    else if (f == "min_lr_ratio")
+      next.set_min_lr_ratio(in.min_lr_ratio());
+    else if (f == "schedule")
+      next.set_schedule(in.schedule());
+    else if (f == "clip")
+      next.set_clip(in.clip());
+    else {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "fields: '", f,
+          "' cannot be changed; expected one of lr, weight_decay, max_grad_norm, "
+          "beta1, beta2, eps, warmup_steps, total_steps, min_lr_ratio, schedule, clip"));
+    }
+  }
+  ASSIGN_OR_RETURN(next, NormalizeOptimizerConfig(next));
+  worker_->SetOptimizer(next);
+  *job_->mutable_optimizer() = next;
+  slidedp::v1::SessionEvent ev;
+  *ev.mutable_hyper_params_changed()->mutable_optimizer() = next;
+  BroadcastLocked(ev);
+  slidedp::v1::UpdateHyperParamsResponse resp;
+  *resp.mutable_optimizer() = next;
+  return resp;
+}
+
+absl::StatusOr<slidedp::v1::SessionOpened> Engine::OpenSession(
+    const slidedp::v1::SessionOpen& open) {
+  absl::MutexLock lock(&mu_);
+  RETURN_IF_ERROR(CheckJob(open.job_id()));
+  if (open.rank() >= ranks_.size() || !ranks_[open.rank()].attached) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("rank ", open.rank(), " is not attached; call AttachRank first"));
+  }
+  RankEntry& e = ranks_[open.rank()];
+  if (open.attach_token() != e.token) {
+    return absl::PermissionDeniedError(
+        absl::StrCat("attach_token: does not match the token issued to rank ", open.rank()));
+  }
+  if (e.connected) {
+    return absl::AlreadyExistsError(
+        absl::StrCat("rank ", open.rank(), " already has an open session"));
+  }
+  e.connected = true;
+  e.last_heartbeat = SteadyClock::now();
+  slidedp::v1::SessionOpened opened;
+  opened.set_heartbeat_interval_ms(config_.heartbeat_interval_ms);
+  opened.set_heartbeat_deadline_ms(config_.heartbeat_deadline_ms);
+  return opened;
+}
+
+void Engine::SessionHeartbeat(uint32_t rank, const slidedp::v1::Heartbeat& hb) {
+  absl::MutexLock lock(&mu_);
+  if (rank >= ranks_.size() || !ranks_[rank].connected) return;
+  ranks_[rank].last_heartbeat = SteadyClock::now();
+  shm::Atomic(state_->rank_slot(rank).heartbeat_ns).store(MonotonicNs());
+  shm::Atomic(state_->rank_slot(rank).layer).store(hb.layer());
+}
+
+void Engine::SessionClosed(uint32_t rank, absl::string_view reason) {
+  absl::MutexLock lock(&mu_);
+  if (rank >= ranks_.size() || !ranks_[rank].attached) return;
+  spdlog::warn("rank {} session closed: {}", rank, std::string(reason));
+  if (running_step_ != 0 && serving_) {
+    AbortStepLocked(running_step_, absl::StrCat("rank ", rank, " lost: ", reason));
+  }
+  ranks_[rank] = RankEntry{};
+  shm::Atomic(state_->rank_slot(rank).attached).store(0, std::memory_order_release);
+}
+
+std::optional<slidedp::v1::SessionEvent> Engine::NextSessionEvent(uint32_t rank,
+                                                                  milliseconds timeout) {
+  absl::MutexLock lock(&mu_);
+  auto ready = [this, rank]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return rank >= ranks_.size() || !ranks_[rank].connected || !ranks_[rank].events.empty();
+  };
+  mu_.AwaitWithTimeout(absl::Condition(&ready), absl::Milliseconds(timeout.count()));
+  if (rank >= ranks_.size() || ranks_[rank].events.empty()) return std::nullopt;
+  slidedp::v1::SessionEvent ev = std::move(ranks_[rank].events.front());
+  ranks_[rank].events.pop_front();
+  return ev;
+}
+
+bool Engine::SessionActive(uint32_t rank) const {
+  absl::MutexLock lock(&mu_);
+  return serving_ && rank < ranks_.size() && ranks_[rank].connected;
+}
+
+void Engine::MonitorLoop() {
+  absl::MutexLock lock(&mu_);
+  const auto deadline = milliseconds(config_.heartbeat_deadline_ms);
+  while (!monitor_stop_) {
+    auto stop = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return monitor_stop_; };
+    mu_.AwaitWithTimeout(absl::Condition(&stop), absl::Milliseconds(100));
+    if (monitor_stop_) break;
+    if (!state_) continue;
+    shm::Atomic(state_->control().hostd_alive_ns).store(MonotonicNs(), std::memory_order_release);
+    const auto now = SteadyClock::now();
+    for (uint32_t r = 0; r < ranks_.size(); ++r) {
+      RankEntry& e = ranks_[r];
+      if (!e.connected || now - e.last_heartbeat <= deadline) continue;
+      spdlog::warn("rank {} missed its heartbeat deadline ({} ms)", r, deadline.count());
+      if (running_step_ != 0 && serving_) {
+        AbortStepLocked(running_step_, absl::StrCat("rank ", r, " missed its heartbeat deadline"));
+      }
+      // The rank stays attached but disconnected; its stream handler ends on the next event.
+      e.connected = false;
+    }
+  }
+}
+
+}  // namespace slidedp::hostd

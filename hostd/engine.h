@@ -1,0 +1,156 @@
+// Engine: hostd's core, independent of gRPC so it can run embedded in tests (DCGM's embedded
+// host-engine pattern). It owns, in order of construction: the topology, the update thread pool
+// (pinned to the cores of the state's NUMA node), the training state in shared memory, the update
+// worker, and the job's control-plane state (attached ranks, step lifecycle, NCCL id).
+// hostd/service.cc translates RPCs into calls on it; every method validates its input and returns
+// a Status with the most specific code and a message naming the field and the expected value.
+//
+// Thread safety: every public method may be called from any thread; job state is guarded by
+// mu_. Long work (AdamW, casts) runs on the update worker, never on the calling thread, except
+// in CreateJob, which initializes the state before it returns.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <optional>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "absl/synchronization/mutex.h"
+#include "common/thread_pool.h"
+#include "hostd/config.h"
+#include "hostd/optimizer.h"
+#include "hostd/state.h"
+#include "hostd/topology.h"
+#include "slidedp/v1/control.pb.h"
+
+namespace slidedp::hostd {
+
+// This binary's build identity as sent in handshakes.
+slidedp::v1::BuildInfo DaemonBuildInfo();
+
+class Engine {
+ public:
+  // Discovers the topology, starts the pool and, unless config.model is "none", creates the job
+  // for config.model. `topology` overrides discovery (tests).
+  static absl::StatusOr<std::unique_ptr<Engine>> Create(
+      const HostdConfig& config, std::vector<ConfigEntry> entries = {},
+      std::optional<Topology> topology = std::nullopt);
+  ~Engine();
+  Engine(const Engine&) = delete;
+  Engine& operator=(const Engine&) = delete;
+
+  // Stops serving: fails new requests with UNAVAILABLE, aborts a running step, wakes sessions
+  // and stops the worker. When `remove_state` the shared-memory names are removed (clean stop).
+  void Shutdown(bool remove_state);
+
+  // --- control plane ---
+  absl::StatusOr<slidedp::v1::HandshakeResponse> Handshake(const slidedp::v1::HandshakeRequest& r);
+  absl::StatusOr<slidedp::v1::CreateJobResponse> CreateJob(const slidedp::v1::CreateJobRequest& r);
+  absl::StatusOr<slidedp::v1::AttachRankResponse> AttachRank(
+      const slidedp::v1::AttachRankRequest& r);
+  absl::Status DetachRank(const slidedp::v1::DetachRankRequest& r);
+  absl::StatusOr<slidedp::v1::BeginStepResponse> BeginStep(const slidedp::v1::BeginStepRequest& r);
+  absl::Status AbortStep(const slidedp::v1::AbortStepRequest& r);
+  absl::Status PublishCommId(const slidedp::v1::PublishCommIdRequest& r);
+  absl::StatusOr<slidedp::v1::FetchCommIdResponse> FetchCommId(
+      const slidedp::v1::FetchCommIdRequest& r);
+  absl::StatusOr<slidedp::v1::GetStatusResponse> GetStatus();
+  absl::StatusOr<slidedp::v1::ListLayersResponse> ListLayers(
+      const slidedp::v1::ListLayersRequest& r);
+  absl::StatusOr<slidedp::v1::ListRanksResponse> ListRanks(const slidedp::v1::ListRanksRequest& r);
+  absl::StatusOr<slidedp::v1::GetStatsResponse> GetStats(const slidedp::v1::GetStatsRequest& r);
+  slidedp::v1::GetConfigResponse GetConfig() const;
+  absl::StatusOr<slidedp::v1::UpdateHyperParamsResponse> UpdateHyperParams(
+      const slidedp::v1::UpdateHyperParamsRequest& r);
+
+  // --- sessions (one per attached rank; the service's stream handler drives these) ---
+  // Validates the token and marks the rank connected.
+  absl::StatusOr<slidedp::v1::SessionOpened> OpenSession(const slidedp::v1::SessionOpen& open);
+  void SessionHeartbeat(uint32_t rank, const slidedp::v1::Heartbeat& hb);
+  // The stream ended (rank died or detached): the rank is dropped and a running step aborted.
+  void SessionClosed(uint32_t rank, absl::string_view reason);
+  // False once the rank's session ended or missed its heartbeat deadline.
+  bool SessionActive(uint32_t rank) const;
+  // Waits up to `timeout` for the next event for `rank`; nullopt on timeout.
+  std::optional<slidedp::v1::SessionEvent> NextSessionEvent(uint32_t rank,
+                                                            std::chrono::milliseconds timeout);
+
+  // --- data plane, in process (the shared-memory protocol of rankclient drives the same path) ---
+  // Queues the aggregated gradient of `layer` for `step`; see UpdateWorker::Submit.
+  absl::Status SubmitGradient(uint32_t layer, uint64_t step, GradientRef grad,
+                              UpdateWorker::DoneFn done = nullptr);
+  // Blocks until `layer` reaches `version` or `timeout` passes (DEADLINE_EXCEEDED).
+  absl::Status WaitLayerVersion(uint32_t layer, uint64_t version,
+                                std::chrono::milliseconds timeout);
+
+  TrainingState* state() const { return state_.get(); }
+  UpdateWorker* worker() const { return worker_.get(); }
+  const HostdConfig& config() const { return config_; }
+  const Topology& topology() const { return topology_; }
+
+ private:
+  struct RankEntry {
+    bool attached = false;
+    bool connected = false;
+    std::string token;
+    int32_t pid = 0;
+    std::string hostname;
+    int32_t gpu = -1;
+    uint64_t last_step = 0;
+    std::chrono::steady_clock::time_point last_heartbeat;
+    std::deque<slidedp::v1::SessionEvent> events;
+  };
+
+  explicit Engine(HostdConfig config, std::vector<ConfigEntry> entries);
+  absl::Status Init(std::optional<Topology> topology);
+  absl::Status CreateJobLocked(slidedp::v1::JobSpec spec, LoadedModel model)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status CheckJob(absl::string_view job_id) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  absl::Status CheckServing() const ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  void AbortStepLocked(uint64_t step, absl::string_view reason) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void BroadcastLocked(const slidedp::v1::SessionEvent& ev) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void OnLayerDone(const LayerUpdateResult& r);
+  void MonitorLoop();
+  std::vector<slidedp::v1::LayerStatus> LayerStatuses() const ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  std::vector<slidedp::v1::RankStatus> RankStatuses() const ABSL_SHARED_LOCKS_REQUIRED(mu_);
+
+  const HostdConfig config_;
+  const std::vector<ConfigEntry> entries_;
+  const std::chrono::steady_clock::time_point started_;
+  Topology topology_;
+  int state_node_ = 0;
+  std::vector<int> worker_cpus_;
+  kernels::Isa isa_ = kernels::Isa::kScalar;
+  std::unique_ptr<ThreadPool> pool_;
+
+  mutable absl::Mutex mu_;
+  bool serving_ ABSL_GUARDED_BY(mu_) = true;
+  std::optional<slidedp::v1::JobSpec> job_ ABSL_GUARDED_BY(mu_);
+  std::unique_ptr<TrainingState> state_;  // set once under mu_, then read-only
+  std::unique_ptr<UpdateWorker> worker_;  // set once under mu_, then read-only
+  std::vector<RankEntry> ranks_ ABSL_GUARDED_BY(mu_);
+  uint64_t next_step_ ABSL_GUARDED_BY(mu_) = 1;
+  uint64_t running_step_ ABSL_GUARDED_BY(mu_) = 0;  // 0: none
+  std::string step_state_ ABSL_GUARDED_BY(mu_) = "idle";
+  uint32_t layers_done_in_step_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t steps_completed_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t steps_aborted_ ABSL_GUARDED_BY(mu_) = 0;
+  double last_step_update_seconds_ ABSL_GUARDED_BY(mu_) = 0;
+  double step_update_seconds_ ABSL_GUARDED_BY(mu_) = 0;
+  std::vector<double> last_grad_norm_ ABSL_GUARDED_BY(mu_);
+  std::string comm_id_ ABSL_GUARDED_BY(mu_);
+  uint64_t comm_generation_ ABSL_GUARDED_BY(mu_) = 0;
+  bool comm_published_ ABSL_GUARDED_BY(mu_) = false;
+  uint64_t token_counter_ ABSL_GUARDED_BY(mu_) = 0;
+  bool monitor_stop_ ABSL_GUARDED_BY(mu_) = false;
+  std::thread monitor_;  // heartbeat deadlines; started by Init, joined by Shutdown
+};
+
+}  // namespace slidedp::hostd

@@ -1,0 +1,373 @@
+// The engine in process, behind its real gRPC service on a temporary unix socket: every RPC's
+// bad input gets its specific status and a message naming the field, and leaves the state
+// untouched (checksum before and after); a session stream's end aborts a running step.
+#include "hostd/engine.h"
+
+#include <grpcpp/grpcpp.h>
+
+#include <filesystem>
+#include <random>
+#include <thread>
+
+#include "common/version.h"
+#include "gtest/gtest.h"
+#include "hostd/service.h"
+#include "hostd/test_util.h"
+#include "kernels/cpu/bf16.h"
+#include "slidedp/v1/control.grpc.pb.h"
+
+namespace slidedp::hostd {
+namespace {
+
+namespace v1 = slidedp::v1;
+using testing::UniqueInstance;
+
+class EngineTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = std::filesystem::temp_directory_path() / UniqueInstance("sock");
+    std::filesystem::create_directories(dir_);
+    config_.instance = UniqueInstance("eng");
+    config_.socket = (dir_ / "hostd.sock").string();
+    config_.model = "tiny";
+    config_.update_threads = 2;
+    config_.heartbeat_interval_ms = 100;
+    config_.heartbeat_deadline_ms = 1000;
+    config_.optimizer.set_lr(1e-3);
+    config_.routes.set_chunk_bytes(16 << 20);
+  }
+  void TearDown() override {
+    server_.reset();
+    if (engine_) engine_->Shutdown(/*remove_state=*/true);
+    engine_.reset();
+    std::filesystem::remove_all(dir_);
+  }
+  void Start() {
+    auto e = Engine::Create(config_);
+    ASSERT_TRUE(e.ok()) << e.status();
+    engine_ = std::move(*e);
+    auto s = ControlServer::Start(engine_.get(), {config_.socket, "", 0600});
+    ASSERT_TRUE(s.ok()) << s.status();
+    server_ = std::move(*s);
+    channel_ = grpc::CreateChannel("unix:" + config_.socket, grpc::InsecureChannelCredentials());
+    stub_ = v1::Control::NewStub(channel_);
+  }
+  uint64_t Checksum() { return engine_->state() ? engine_->state()->Checksum() : 0; }
+  std::string Hash() { return engine_->state()->model().manifest.manifest_hash(); }
+
+  v1::AttachRankResponse Attach(uint32_t rank) {
+    grpc::ClientContext ctx;
+    v1::AttachRankRequest req;
+    req.set_rank(rank);
+    req.set_manifest_hash(Hash());
+    req.set_pid(getpid());
+    v1::AttachRankResponse resp;
+    grpc::Status s = stub_->AttachRank(&ctx, req, &resp);
+    EXPECT_TRUE(s.ok()) << s.error_message();
+    return resp;
+  }
+
+  std::filesystem::path dir_;
+  HostdConfig config_;
+  std::unique_ptr<Engine> engine_;
+  std::unique_ptr<ControlServer> server_;
+  std::shared_ptr<grpc::Channel> channel_;
+  std::unique_ptr<v1::Control::Stub> stub_;
+};
+
+TEST_F(EngineTest, StatusListsEveryLayerWithVersionBytesAndNuma) {
+  Start();
+  grpc::ClientContext ctx;
+  v1::GetStatusResponse st;
+  ASSERT_TRUE(stub_->GetStatus(&ctx, v1::GetStatusRequest(), &st).ok());
+  EXPECT_TRUE(st.has_job());
+  EXPECT_EQ(st.job().family(), "qwen3");
+  // tiny: embedding, 4 decoder layers, final norm, lm_head.
+  ASSERT_EQ(st.layers_size(), 7);
+  EXPECT_EQ(st.layers(0).name(), "model.embed_tokens");
+  EXPECT_EQ(st.layers(6).name(), "lm_head");
+  uint64_t total = 0;
+  for (const auto& l : st.layers()) {
+    EXPECT_EQ(l.version(), 0u);
+    EXPECT_GE(l.state_bytes(), 12 * l.numel());
+    EXPECT_GE(l.param_bytes(), 2 * l.numel());
+    EXPECT_GE(l.numa_node(), 0);
+    total += l.numel();
+  }
+  EXPECT_EQ(total, st.job().total_params());
+  EXPECT_EQ(st.segments_size(), 3);
+  EXPECT_GT(st.shm_bytes(), 14 * total);
+  EXPECT_EQ(st.daemon().version(), kVersion);
+}
+
+TEST_F(EngineTest, HandshakeVersionSkewIsFailedPreconditionNamingBoth) {
+  Start();
+  grpc::ClientContext ctx;
+  v1::HandshakeRequest req;
+  req.mutable_client()->set_component("rankclient");
+  req.mutable_client()->set_version("9.9.9");
+  req.mutable_client()->set_protocol_version(kProtocolVersion + 1);
+  v1::HandshakeResponse resp;
+  grpc::Status s = stub_->Handshake(&ctx, req, &resp);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+  EXPECT_NE(s.error_message().find("9.9.9"), std::string::npos) << s.error_message();
+  EXPECT_NE(s.error_message().find(kVersion), std::string::npos) << s.error_message();
+  grpc::ClientContext ctx2;
+  req.mutable_client()->set_protocol_version(kProtocolVersion);
+  req.mutable_client()->set_shm_abi_version(kShmAbiVersion);
+  EXPECT_TRUE(stub_->Handshake(&ctx2, req, &resp).ok());
+  EXPECT_EQ(resp.daemon().component(), "hostd");
+}
+
+TEST_F(EngineTest, BadInputGetsSpecificStatusAndLeavesStateUntouched) {
+  Start();
+  const uint64_t before = Checksum();
+  auto call = [&](auto method, const auto& req, auto* resp) {
+    grpc::ClientContext ctx;
+    return (stub_.get()->*method)(&ctx, req, resp);
+  };
+  struct Case {
+    std::string what;
+    grpc::Status status;
+    grpc::StatusCode code;
+    std::string needle;
+  };
+  std::vector<Case> cases;
+  {
+    v1::AttachRankRequest r;
+    r.set_job_id("nope");
+    r.set_manifest_hash(Hash());
+    v1::AttachRankResponse resp;
+    cases.push_back({"unknown job", call(&v1::Control::Stub::AttachRank, r, &resp),
+                     grpc::StatusCode::NOT_FOUND, "job_id"});
+    r.set_job_id("");
+    r.set_rank(1);  // world size 1
+    cases.push_back({"rank out of range", call(&v1::Control::Stub::AttachRank, r, &resp),
+                     grpc::StatusCode::OUT_OF_RANGE, "rank"});
+    r.set_rank(0);
+    r.set_manifest_hash("0123456789abcdef");
+    cases.push_back({"wrong manifest hash", call(&v1::Control::Stub::AttachRank, r, &resp),
+                     grpc::StatusCode::FAILED_PRECONDITION, "manifest_hash"});
+  }
+  {
+    v1::CreateJobRequest r;
+    v1::CreateJobResponse resp;
+    cases.push_back({"empty manifest", call(&v1::Control::Stub::CreateJob, r, &resp),
+                     grpc::StatusCode::INVALID_ARGUMENT, "manifest"});
+    *r.mutable_spec()->mutable_manifest() = testing::SmallModel().manifest;
+    cases.push_back({"second, different job", call(&v1::Control::Stub::CreateJob, r, &resp),
+                     grpc::StatusCode::ALREADY_EXISTS, "already exists"});
+  }
+  {
+    v1::BeginStepRequest r;
+    r.set_step(1);
+    v1::BeginStepResponse resp;
+    cases.push_back({"begin step unattached", call(&v1::Control::Stub::BeginStep, r, &resp),
+                     grpc::StatusCode::FAILED_PRECONDITION, "not attached"});
+    v1::AbortStepRequest a;
+    a.set_step(1);
+    v1::AbortStepResponse aresp;
+    cases.push_back({"abort idle step", call(&v1::Control::Stub::AbortStep, a, &aresp),
+                     grpc::StatusCode::FAILED_PRECONDITION, "step"});
+  }
+  {
+    v1::PublishCommIdRequest r;
+    r.set_rank(1);
+    r.set_unique_id(std::string(128, 'x'));
+    v1::PublishCommIdResponse resp;
+    cases.push_back({"publish from rank 1", call(&v1::Control::Stub::PublishCommId, r, &resp),
+                     grpc::StatusCode::PERMISSION_DENIED, "rank"});
+    r.set_rank(0);
+    r.set_unique_id("");
+    cases.push_back({"empty comm id", call(&v1::Control::Stub::PublishCommId, r, &resp),
+                     grpc::StatusCode::INVALID_ARGUMENT, "unique_id"});
+    v1::FetchCommIdRequest f;
+    f.set_wait_ms(50);
+    v1::FetchCommIdResponse fresp;
+    cases.push_back({"fetch before publish", call(&v1::Control::Stub::FetchCommId, f, &fresp),
+                     grpc::StatusCode::DEADLINE_EXCEEDED, "published"});
+  }
+  {
+    v1::UpdateHyperParamsRequest r;
+    r.add_fields("momentum");
+    v1::UpdateHyperParamsResponse resp;
+    cases.push_back({"unknown hyper-parameter",
+                     call(&v1::Control::Stub::UpdateHyperParams, r, &resp),
+                     grpc::StatusCode::INVALID_ARGUMENT, "fields"});
+    r.clear_fields();
+    r.add_fields("lr");
+    r.mutable_optimizer()->set_lr(-5);
+    cases.push_back({"negative lr", call(&v1::Control::Stub::UpdateHyperParams, r, &resp),
+                     grpc::StatusCode::INVALID_ARGUMENT, "optimizer.lr"});
+  }
+  {
+    v1::ListLayersRequest r;
+    r.set_job_id("other");
+    v1::ListLayersResponse resp;
+    cases.push_back({"layers of unknown job", call(&v1::Control::Stub::ListLayers, r, &resp),
+                     grpc::StatusCode::NOT_FOUND, "job_id"});
+  }
+  for (const Case& c : cases) {
+    EXPECT_EQ(c.status.error_code(), c.code) << c.what << ": " << c.status.error_message();
+    EXPECT_NE(c.status.error_message().find(c.needle), std::string::npos)
+        << c.what << ": " << c.status.error_message();
+  }
+  // In-process data-plane input: unknown layer, wrong size, future step.
+  std::vector<uint16_t> g(10);
+  EXPECT_EQ(engine_->SubmitGradient(99, 1, {g.data(), kernels::GradType::kBf16, g.size()}).code(),
+            absl::StatusCode::kNotFound);
+  EXPECT_EQ(engine_->SubmitGradient(1, 1, {g.data(), kernels::GradType::kBf16, g.size()}).code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(engine_->SubmitGradient(1, 7, {g.data(), kernels::GradType::kBf16, g.size()}).code(),
+            absl::StatusCode::kOutOfRange);
+  EXPECT_EQ(Checksum(), before);
+  for (uint32_t l = 0; l < engine_->state()->num_layers(); ++l) {
+    EXPECT_EQ(engine_->state()->committed_version(l), 0u);
+  }
+}
+
+TEST_F(EngineTest, DuplicateAttachIsAlreadyExists) {
+  Start();
+  Attach(0);
+  grpc::ClientContext ctx;
+  v1::AttachRankRequest req;
+  req.set_manifest_hash(Hash());
+  v1::AttachRankResponse resp;
+  grpc::Status s = stub_->AttachRank(&ctx, req, &resp);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::ALREADY_EXISTS) << s.error_message();
+}
+
+TEST_F(EngineTest, AttachBeforeModelExistsIsFailedPrecondition) {
+  config_.model = "none";
+  Start();
+  grpc::ClientContext ctx;
+  v1::AttachRankRequest req;
+  v1::AttachRankResponse resp;
+  grpc::Status s = stub_->AttachRank(&ctx, req, &resp);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+  EXPECT_NE(s.error_message().find("before the model exists"), std::string::npos);
+  // CreateJob from a manifest, then attach works and returns the layout.
+  grpc::ClientContext c2;
+  v1::CreateJobRequest cj;
+  *cj.mutable_spec()->mutable_manifest() = testing::SmallModel().manifest;
+  cj.mutable_spec()->set_world_size(2);
+  v1::CreateJobResponse cjr;
+  grpc::Status cs = stub_->CreateJob(&c2, cj, &cjr);
+  ASSERT_TRUE(cs.ok()) << cs.error_message();
+  EXPECT_EQ(cjr.spec().world_size(), 2u);
+  EXPECT_EQ(cjr.spec().optimizer().beta2(), 0.999);
+  v1::AttachRankResponse a = Attach(1);
+  EXPECT_EQ(a.layout().layers_size(), 2);
+  EXPECT_EQ(a.layout().segments_size(), 2);  // control and params; never the state segment
+  EXPECT_EQ(a.layout().layers(0).tensors(1).name(), "block0.proj.weight");
+  EXPECT_EQ(a.layout().layers(0).tensors(1).offset_elements(), 37u);
+  // The same manifest again is idempotent.
+  grpc::ClientContext c3;
+  EXPECT_TRUE(stub_->CreateJob(&c3, cj, &cjr).ok());
+}
+
+TEST_F(EngineTest, StepThroughTheWorkerCompletesAndUpdatesStats) {
+  Start();
+  TrainingState* s = engine_->state();
+  std::vector<std::vector<uint16_t>> grads;
+  std::mt19937 rng(1);
+  std::normal_distribution<float> d(0, 1e-2f);
+  for (const LayerInfo& l : s->layers()) {
+    grads.emplace_back(l.numel);
+    for (auto& x : grads.back()) x = kernels::RoundToBf16(d(rng));
+  }
+  const uint64_t before = s->Checksum();
+  for (uint32_t l = s->num_layers(); l-- > 0;) {  // backward order
+    ASSERT_TRUE(
+        engine_->SubmitGradient(l, 1, {grads[l].data(), kernels::GradType::kBf16, grads[l].size()})
+            .ok());
+  }
+  for (uint32_t l = 0; l < s->num_layers(); ++l) {
+    ASSERT_TRUE(engine_->WaitLayerVersion(l, 1, std::chrono::seconds(10)).ok());
+  }
+  EXPECT_NE(s->Checksum(), before);
+  grpc::ClientContext ctx;
+  v1::GetStatsResponse stats;
+  ASSERT_TRUE(stub_->GetStats(&ctx, v1::GetStatsRequest(), &stats).ok());
+  EXPECT_EQ(stats.layer_updates(), s->num_layers());
+  EXPECT_EQ(stats.update_params_total(), s->total_params());
+  EXPECT_EQ(stats.steps_completed(), 1u);
+  EXPECT_GT(stats.update_gparams_per_second(), 0);
+  EXPECT_FALSE(stats.isa().empty());
+  auto timeout = engine_->WaitLayerVersion(0, 2, std::chrono::milliseconds(50));
+  EXPECT_EQ(timeout.code(), absl::StatusCode::kDeadlineExceeded);
+}
+
+TEST_F(EngineTest, SessionEndAbortsRunningStepAndSealsVersions) {
+  Start();
+  v1::AttachRankResponse a = Attach(0);
+  grpc::ClientContext sctx;
+  auto stream = stub_->Session(&sctx);
+  v1::SessionClientMessage open;
+  open.mutable_open()->set_rank(0);
+  open.mutable_open()->set_attach_token(a.attach_token());
+  ASSERT_TRUE(stream->Write(open));
+  v1::SessionEvent ev;
+  ASSERT_TRUE(stream->Read(&ev));
+  ASSERT_TRUE(ev.has_opened());
+  grpc::ClientContext bctx;
+  v1::BeginStepRequest b;
+  b.set_step(1);
+  v1::BeginStepResponse br;
+  ASSERT_TRUE(stub_->BeginStep(&bctx, b, &br).ok());
+  ASSERT_TRUE(stream->Read(&ev));
+  EXPECT_TRUE(ev.has_step_begun());
+  const uint64_t before = engine_->state()->Checksum();
+  const auto t0 = std::chrono::steady_clock::now();
+  sctx.TryCancel();  // the rank "dies"
+  for (uint32_t l = 0; l < engine_->state()->num_layers(); ++l) {
+    ASSERT_TRUE(engine_->WaitLayerVersion(l, 1, std::chrono::seconds(2)).ok());
+  }
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(2));
+  EXPECT_EQ(engine_->state()->Checksum(), before);  // no partial update
+  grpc::ClientContext ctx;
+  v1::GetStatusResponse st;
+  ASSERT_TRUE(stub_->GetStatus(&ctx, v1::GetStatusRequest(), &st).ok());
+  EXPECT_EQ(st.job().step_state(), "aborted");
+  EXPECT_FALSE(st.ranks(0).connected());
+  grpc::ClientContext sctx2;
+  v1::GetStatsResponse stats;
+  ASSERT_TRUE(stub_->GetStats(&sctx2, v1::GetStatsRequest(), &stats).ok());
+  EXPECT_EQ(stats.steps_aborted(), 1u);
+}
+
+TEST_F(EngineTest, NcclIdRendezvous) {
+  config_.world_size = 2;
+  Start();
+  std::thread fetcher([&] {
+    grpc::ClientContext ctx;
+    v1::FetchCommIdRequest f;
+    f.set_rank(1);
+    f.set_wait_ms(5000);
+    v1::FetchCommIdResponse resp;
+    grpc::Status s = stub_->FetchCommId(&ctx, f, &resp);
+    EXPECT_TRUE(s.ok()) << s.error_message();
+    EXPECT_EQ(resp.unique_id(), std::string(128, '\x07'));
+  });
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  grpc::ClientContext ctx;
+  v1::PublishCommIdRequest p;
+  p.set_unique_id(std::string(128, '\x07'));
+  v1::PublishCommIdResponse pr;
+  ASSERT_TRUE(stub_->PublishCommId(&ctx, p, &pr).ok());
+  fetcher.join();
+}
+
+TEST_F(EngineTest, SecondDaemonOnSameSocketOrInstanceIsRefused) {
+  Start();
+  auto second = ControlServer::Start(engine_.get(), {config_.socket, "", 0600});
+  ASSERT_FALSE(second.ok());
+  EXPECT_EQ(second.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_NE(second.status().message().find("in use"), std::string::npos);
+  auto tcp = ControlServer::Start(engine_.get(), {"", "0.0.0.0:0", 0600});
+  ASSERT_FALSE(tcp.ok());
+  EXPECT_NE(tcp.status().message().find("loopback"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace slidedp::hostd

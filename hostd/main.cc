@@ -1,0 +1,91 @@
+// hostd: the SlideDP host daemon. Owns the FP32 master weights and Adam state of one training
+// job in shared memory, runs the update worker and serves slidedp.v1.Control on a unix socket.
+// Runs in the foreground (systemd Type=notify later); SIGTERM/SIGINT stop it cleanly: health
+// NOT_SERVING, sessions told, the running step aborted, segments removed.
+#include <signal.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <iostream>
+#include <map>
+#include <string>
+
+#include "hostd/config.h"
+#include "hostd/engine.h"
+#include "hostd/service.h"
+#include "spdlog/spdlog.h"
+
+extern char** environ;
+
+namespace {
+
+std::map<std::string, std::string> Environment() {
+  std::map<std::string, std::string> env;
+  for (char** e = environ; e != nullptr && *e != nullptr; ++e) {
+    std::string kv(*e);
+    const size_t eq = kv.find('=');
+    if (eq != std::string::npos) env.emplace(kv.substr(0, eq), kv.substr(eq + 1));
+  }
+  return env;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  using slidedp::hostd::ControlServer;
+  using slidedp::hostd::Engine;
+
+  auto loaded = slidedp::hostd::LoadConfig(argc, argv, Environment());
+  if (!loaded.ok()) {
+    std::cerr << "hostd: " << loaded.status().message() << "\n(see hostd --help)\n";
+    return 2;
+  }
+  if (loaded->show_help) {
+    std::cout << loaded->help_text;
+    return 0;
+  }
+  if (loaded->print_config) {
+    std::cout << slidedp::hostd::ConfigToToml(loaded->entries);
+    return 0;
+  }
+  const slidedp::hostd::HostdConfig& config = loaded->config;
+  spdlog::set_level(spdlog::level::from_str(config.log_level));
+  spdlog::set_pattern("%Y-%m-%dT%H:%M:%S.%e %^%l%$ hostd: %v");
+
+  // Signals are taken synchronously by this thread; every thread started below inherits the mask.
+  sigset_t stop_signals;
+  sigemptyset(&stop_signals);
+  sigaddset(&stop_signals, SIGTERM);
+  sigaddset(&stop_signals, SIGINT);
+  pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
+  signal(SIGPIPE, SIG_IGN);
+
+  auto engine = Engine::Create(config, loaded->entries);
+  if (!engine.ok()) {
+    spdlog::error("startup failed: {}", engine.status().ToString());
+    return 1;
+  }
+  ControlServer::Options so;
+  so.socket_path = config.socket;
+  so.listen_tcp = config.listen_tcp;
+  so.socket_mode = config.shm_mode == "0660" ? 0660 : 0600;
+  auto server = ControlServer::Start(engine->get(), so);
+  if (!server.ok()) {
+    spdlog::error("startup failed: {}", server.status().ToString());
+    (*engine)->Shutdown(/*remove_state=*/true);
+    return 1;
+  }
+  spdlog::info("serving slidedp.v1.Control on unix:{}{}", config.socket,
+               config.listen_tcp.empty() ? "" : " and " + config.listen_tcp);
+
+  int sig = 0;
+  sigwait(&stop_signals, &sig);
+  spdlog::info("received {}, stopping", sig == SIGTERM ? "SIGTERM" : "SIGINT");
+  (*engine)->Shutdown(/*remove_state=*/true);
+  (*server)->Shutdown(2000);
+  (*server)->Wait();
+  server->reset();
+  engine->reset();
+  spdlog::info("stopped");
+  return 0;
+}

@@ -1,0 +1,263 @@
+#include "hostd/service.h"
+
+#include <grpcpp/ext/proto_server_reflection_plugin.h>
+#include <grpcpp/grpcpp.h>
+#include <grpcpp/health_check_service_interface.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <filesystem>
+#include <thread>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/string_view.h"
+#include "common/status_macros.h"
+#include "slidedp/v1/control.grpc.pb.h"
+#include "spdlog/spdlog.h"
+
+namespace slidedp::hostd {
+namespace v1 = slidedp::v1;
+
+grpc::Status ToGrpcStatus(const absl::Status& s) {
+  if (s.ok()) return grpc::Status::OK;
+  // absl::StatusCode and grpc::StatusCode share their numeric values.
+  return grpc::Status(static_cast<grpc::StatusCode>(s.code()), std::string(s.message()));
+}
+
+namespace {
+
+template <typename Resp>
+grpc::Status Reply(absl::StatusOr<Resp> r, Resp* out) {
+  if (!r.ok()) return ToGrpcStatus(r.status());
+  *out = std::move(*r);
+  return grpc::Status::OK;
+}
+
+// Removes a socket file left by a dead process; refuses one that a live server answers on.
+absl::Status PrepareSocketPath(const std::string& path) {
+  if (path.size() >= sizeof(sockaddr_un::sun_path)) {
+    return absl::InvalidArgumentError(absl::StrCat("socket: path '", path, "' is longer than ",
+                                                   sizeof(sockaddr_un::sun_path) - 1, " bytes"));
+  }
+  std::error_code ec;
+  const std::filesystem::path p(path);
+  if (p.has_parent_path() && !std::filesystem::exists(p.parent_path(), ec)) {
+    std::filesystem::create_directories(p.parent_path(), ec);
+    if (ec) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "socket: cannot create directory ", p.parent_path().string(), ": ", ec.message()));
+    }
+  }
+  struct stat st;
+  if (lstat(path.c_str(), &st) != 0) return absl::OkStatus();
+  if (!S_ISSOCK(st.st_mode)) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("socket: ", path, " exists and is not a socket; refusing to replace it"));
+  }
+  const int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) return ErrnoStatus("socket(AF_UNIX)");
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  std::strncpy(addr.sun_path, path.c_str(), sizeof(addr.sun_path) - 1);
+  const int rc = connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr));
+  close(fd);
+  if (rc == 0) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("socket: ", path,
+                     " is in use by a running server (another hostd?); stop it or choose "
+                     "another --socket"));
+  }
+  spdlog::warn("removing stale socket {}", path);
+  if (unlink(path.c_str()) != 0 && errno != ENOENT) return ErrnoStatus("unlink " + path);
+  return absl::OkStatus();
+}
+
+bool IsLoopback(const std::string& hostport) {
+  return absl::StartsWith(hostport, "127.") || absl::StartsWith(hostport, "localhost:") ||
+         absl::StartsWith(hostport, "[::1]:");
+}
+
+}  // namespace
+
+class ControlServer::Impl final : public v1::Control::Service {
+ public:
+  explicit Impl(Engine* engine) : engine_(engine) {}
+
+  grpc::Status Handshake(grpc::ServerContext*, const v1::HandshakeRequest* req,
+                         v1::HandshakeResponse* resp) override {
+    return Reply(engine_->Handshake(*req), resp);
+  }
+  grpc::Status CreateJob(grpc::ServerContext*, const v1::CreateJobRequest* req,
+                         v1::CreateJobResponse* resp) override {
+    return Reply(engine_->CreateJob(*req), resp);
+  }
+  grpc::Status AttachRank(grpc::ServerContext*, const v1::AttachRankRequest* req,
+                          v1::AttachRankResponse* resp) override {
+    return Reply(engine_->AttachRank(*req), resp);
+  }
+  grpc::Status DetachRank(grpc::ServerContext*, const v1::DetachRankRequest* req,
+                          v1::DetachRankResponse*) override {
+    return ToGrpcStatus(engine_->DetachRank(*req));
+  }
+  grpc::Status BeginStep(grpc::ServerContext*, const v1::BeginStepRequest* req,
+                         v1::BeginStepResponse* resp) override {
+    return Reply(engine_->BeginStep(*req), resp);
+  }
+  grpc::Status AbortStep(grpc::ServerContext*, const v1::AbortStepRequest* req,
+                         v1::AbortStepResponse*) override {
+    return ToGrpcStatus(engine_->AbortStep(*req));
+  }
+  grpc::Status PublishCommId(grpc::ServerContext*, const v1::PublishCommIdRequest* req,
+                             v1::PublishCommIdResponse*) override {
+    return ToGrpcStatus(engine_->PublishCommId(*req));
+  }
+  grpc::Status FetchCommId(grpc::ServerContext*, const v1::FetchCommIdRequest* req,
+                           v1::FetchCommIdResponse* resp) override {
+    return Reply(engine_->FetchCommId(*req), resp);
+  }
+  grpc::Status GetStatus(grpc::ServerContext*, const v1::GetStatusRequest*,
+                         v1::GetStatusResponse* resp) override {
+    return Reply(engine_->GetStatus(), resp);
+  }
+  grpc::Status ListLayers(grpc::ServerContext*, const v1::ListLayersRequest* req,
+                          v1::ListLayersResponse* resp) override {
+    return Reply(engine_->ListLayers(*req), resp);
+  }
+  grpc::Status ListRanks(grpc::ServerContext*, const v1::ListRanksRequest* req,
+                         v1::ListRanksResponse* resp) override {
+    return Reply(engine_->ListRanks(*req), resp);
+  }
+  grpc::Status GetStats(grpc::ServerContext*, const v1::GetStatsRequest* req,
+                        v1::GetStatsResponse* resp) override {
+    return Reply(engine_->GetStats(*req), resp);
+  }
+  grpc::Status GetConfig(grpc::ServerContext*, const v1::GetConfigRequest*,
+                         v1::GetConfigResponse* resp) override {
+    *resp = engine_->GetConfig();
+    return grpc::Status::OK;
+  }
+  grpc::Status UpdateHyperParams(grpc::ServerContext*, const v1::UpdateHyperParamsRequest* req,
+                                 v1::UpdateHyperParamsResponse* resp) override {
+    return Reply(engine_->UpdateHyperParams(*req), resp);
+  }
+
+  // One stream per rank: the first client message opens it; heartbeats follow. The stream's end
+  // (the rank exited, crashed or cancelled) is the rank's death as far as hostd is concerned.
+  grpc::Status Session(
+      grpc::ServerContext* ctx,
+      grpc::ServerReaderWriter<v1::SessionEvent, v1::SessionClientMessage>* stream) override {
+    v1::SessionClientMessage first;
+    if (!stream->Read(&first)) return grpc::Status::OK;
+    if (!first.has_open()) {
+      return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                          "session: the first message must be 'open' (job_id, rank, attach_token)");
+    }
+    auto opened = engine_->OpenSession(first.open());
+    if (!opened.ok()) return ToGrpcStatus(opened.status());
+    const uint32_t rank = first.open().rank();
+    v1::SessionEvent hello;
+    *hello.mutable_opened() = *opened;
+    stream->Write(hello);
+
+    std::atomic<bool> closed{false};
+    std::thread reader([&] {
+      v1::SessionClientMessage m;
+      while (stream->Read(&m)) {
+        if (m.has_heartbeat()) engine_->SessionHeartbeat(rank, m.heartbeat());
+      }
+      closed.store(true);
+    });
+    std::string reason = "stream closed by the rank";
+    while (!closed.load()) {
+      if (ctx->IsCancelled()) {
+        reason = "stream cancelled";
+        break;
+      }
+      if (!engine_->SessionActive(rank)) {
+        reason = "session ended by hostd (heartbeat deadline or shutdown)";
+        break;
+      }
+      std::optional<v1::SessionEvent> ev =
+          engine_->NextSessionEvent(rank, std::chrono::milliseconds(100));
+      if (ev && !stream->Write(*ev)) {
+        reason = "write to the rank failed";
+        break;
+      }
+    }
+    engine_->SessionClosed(rank, reason);
+    ctx->TryCancel();  // unblocks the reader's Read
+    reader.join();
+    return grpc::Status::OK;
+  }
+
+ private:
+  Engine* const engine_;
+};
+
+absl::StatusOr<std::unique_ptr<ControlServer>> ControlServer::Start(Engine* engine,
+                                                                    const Options& options) {
+  if (options.socket_path.empty() && options.listen_tcp.empty()) {
+    return absl::InvalidArgumentError("socket: no unix socket and no listen_tcp configured");
+  }
+  if (!options.listen_tcp.empty() && !IsLoopback(options.listen_tcp)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "listen_tcp: '", options.listen_tcp,
+        "' is not a loopback address; expected 127.0.0.1:PORT, [::1]:PORT or localhost:PORT"));
+  }
+  std::unique_ptr<ControlServer> s(new ControlServer());
+  s->impl_ = std::make_unique<Impl>(engine);
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  grpc::ServerBuilder builder;
+  if (!options.socket_path.empty()) {
+    RETURN_IF_ERROR(PrepareSocketPath(options.socket_path));
+    builder.AddListeningPort("unix:" + options.socket_path, grpc::InsecureServerCredentials());
+    s->socket_path_ = options.socket_path;
+  }
+  if (!options.listen_tcp.empty()) {
+    builder.AddListeningPort(options.listen_tcp, grpc::InsecureServerCredentials(), &s->tcp_port_);
+  }
+  builder.RegisterService(s->impl_.get());
+  // Each rank's session stream holds a handler thread for its lifetime.
+  builder.SetSyncServerOption(grpc::ServerBuilder::SyncServerOption::MAX_POLLERS, 4);
+  s->server_ = builder.BuildAndStart();
+  if (!s->server_) {
+    return absl::UnavailableError(absl::StrCat(
+        "could not listen on ", options.socket_path.empty() ? "" : "unix:" + options.socket_path,
+        options.listen_tcp.empty() ? "" : " " + options.listen_tcp,
+        " (address in use or permission denied)"));
+  }
+  if (!options.listen_tcp.empty() && s->tcp_port_ == 0) {
+    return absl::UnavailableError(absl::StrCat("listen_tcp: could not bind ", options.listen_tcp));
+  }
+  if (!s->socket_path_.empty() && chmod(s->socket_path_.c_str(), options.socket_mode) != 0) {
+    return ErrnoStatus("chmod " + s->socket_path_);
+  }
+  s->server_->GetHealthCheckService()->SetServingStatus(true);
+  s->server_->GetHealthCheckService()->SetServingStatus("slidedp.v1.Control", true);
+  return s;
+}
+
+void ControlServer::Shutdown(int deadline_ms) {
+  if (!server_) return;
+  if (auto* health = server_->GetHealthCheckService()) health->SetServingStatus(false);
+  server_->Shutdown(std::chrono::system_clock::now() + std::chrono::milliseconds(deadline_ms));
+}
+
+void ControlServer::Wait() {
+  if (server_) server_->Wait();
+}
+
+ControlServer::~ControlServer() {
+  if (server_) {
+    Shutdown(0);
+    server_->Wait();
+  }
+  if (!socket_path_.empty()) unlink(socket_path_.c_str());
+}
+
+}  // namespace slidedp::hostd

@@ -1,0 +1,259 @@
+#include "hostd/shm_segment.h"
+
+#include <fcntl.h>
+#include <linux/capability.h>
+#include <numaif.h>
+#include <sys/mman.h>
+#include <sys/resource.h>
+#include <sys/stat.h>
+#include <sys/statvfs.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <boost/interprocess/mapped_region.hpp>
+#include <boost/interprocess/shared_memory_object.hpp>
+#include <fstream>
+#include <limits>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/string_view.h"
+#include "common/status_macros.h"
+#include "common/thread_pool.h"
+
+#ifndef MADV_POPULATE_WRITE
+#define MADV_POPULATE_WRITE 23
+#endif
+
+namespace slidedp::hostd {
+namespace bip = boost::interprocess;
+namespace {
+
+constexpr uint64_t kUnlimited = std::numeric_limits<uint64_t>::max();
+
+bool HasCapIpcLock() {
+  __user_cap_header_struct header{_LINUX_CAPABILITY_VERSION_3, 0};
+  __user_cap_data_struct data[2] = {};
+  if (syscall(SYS_capget, &header, data) != 0) return false;
+  return (data[CAP_IPC_LOCK / 32].effective & (1u << (CAP_IPC_LOCK % 32))) != 0;
+}
+
+absl::Status ValidateName(const std::string& name) {
+  if (name.empty() || name.size() > 200 || name.find('/') != std::string::npos) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("shared-memory name '", name, "' must be 1..200 characters without '/'"));
+  }
+  return absl::OkStatus();
+}
+
+std::string HumanBytes(uint64_t b) { return absl::StrCat(b, " bytes (", b >> 20, " MiB)"); }
+
+absl::Status FromInterprocess(const bip::interprocess_exception& e, absl::string_view what) {
+  const int native = e.get_native_error();
+  if (native != 0) return ErrnoStatus(what, native);
+  if (e.get_error_code() == bip::already_exists_error) {
+    return absl::AlreadyExistsError(absl::StrCat(what, ": already exists"));
+  }
+  if (e.get_error_code() == bip::not_found_error) {
+    return absl::NotFoundError(absl::StrCat(what, ": not found"));
+  }
+  return absl::InternalError(absl::StrCat(what, ": ", e.what()));
+}
+
+// Touches [begin, end) of the mapping so every page is allocated now.
+absl::Status Populate(char* base, size_t size, ThreadPool* pool) {
+  const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
+  auto populate_range = [&](size_t begin, size_t end) -> int {
+    if (begin >= end) return 0;
+    if (madvise(base + begin, end - begin, MADV_POPULATE_WRITE) == 0) return 0;
+    if (errno == EINVAL) {  // kernel < 5.14: fault the pages in by hand
+      for (size_t off = begin; off < end; off += page) {
+        *reinterpret_cast<volatile char*>(base + off) = 0;
+      }
+      return 0;
+    }
+    return errno;
+  };
+  if (pool == nullptr) {
+    int err = populate_range(0, size);
+    return err == 0 ? absl::OkStatus() : ErrnoStatus("madvise(MADV_POPULATE_WRITE)", err);
+  }
+  std::vector<int> errs(pool->size(), 0);
+  pool->ParallelFor(size, page, [&](size_t b, size_t e, int t) { errs[t] = populate_range(b, e); });
+  for (int err : errs) {
+    if (err != 0) return ErrnoStatus("madvise(MADV_POPULATE_WRITE)", err);
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<HostMemoryInfo> ReadHostMemoryInfo() {
+  HostMemoryInfo info;
+  struct statvfs vfs;
+  if (statvfs("/dev/shm", &vfs) != 0) return ErrnoStatus("statvfs(/dev/shm)");
+  info.shm_free_bytes = static_cast<uint64_t>(vfs.f_bavail) * vfs.f_frsize;
+  std::ifstream meminfo("/proc/meminfo");
+  std::string key;
+  uint64_t value_kib = 0;
+  std::string unit;
+  while (meminfo >> key >> value_kib) {
+    std::getline(meminfo, unit);
+    if (key == "MemAvailable:") info.mem_available_bytes = value_kib * 1024;
+  }
+  struct rlimit rl;
+  if (getrlimit(RLIMIT_MEMLOCK, &rl) != 0) return ErrnoStatus("getrlimit(RLIMIT_MEMLOCK)");
+  info.memlock_limit_bytes =
+      (HasCapIpcLock() || rl.rlim_cur == RLIM_INFINITY) ? kUnlimited : rl.rlim_cur;
+  return info;
+}
+
+absl::StatusOr<ShmSegment> ShmSegment::Create(const CreateOptions& options) {
+  RETURN_IF_ERROR(ValidateName(options.name));
+  if (options.size_bytes == 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("segment ", options.name, ": size_bytes must be > 0"));
+  }
+  ASSIGN_OR_RETURN(HostMemoryInfo mem, ReadHostMemoryInfo());
+  if (mem.shm_free_bytes < options.size_bytes) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "segment ", options.name, " needs ", HumanBytes(options.size_bytes),
+        " of /dev/shm but only ", HumanBytes(mem.shm_free_bytes),
+        " are free; enlarge /dev/shm (mount -o remount,size=...) or use a smaller model"));
+  }
+  if (mem.mem_available_bytes != 0 && mem.mem_available_bytes < options.size_bytes) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("segment ", options.name, " needs ", HumanBytes(options.size_bytes),
+                     " of RAM but MemAvailable is ", HumanBytes(mem.mem_available_bytes)));
+  }
+  if (options.mlock == MlockPolicy::kRequired && mem.memlock_limit_bytes != kUnlimited) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "segment ", options.name, " must be locked (mlock = required) and needs ",
+        HumanBytes(options.size_bytes), " but RLIMIT_MEMLOCK is ",
+        HumanBytes(mem.memlock_limit_bytes),
+        " and CAP_IPC_LOCK is absent; set LimitMEMLOCK=infinity (systemd), ulimit -l unlimited, "
+        "or mlock = best_effort"));
+  }
+
+  ShmSegment seg;
+  seg.name_ = options.name;
+  seg.size_bytes_ = options.size_bytes;
+  seg.remove_on_destroy_ = true;  // until Create returns, a failure removes what was made
+  try {
+    bip::permissions perm(options.mode);
+    bip::shared_memory_object obj(bip::create_only, options.name.c_str(), bip::read_write, perm);
+    const int fd = obj.get_mapping_handle().handle;
+    // The umask may have cleared bits of the requested mode; set it exactly.
+    if (fchmod(fd, options.mode) != 0) return ErrnoStatus("fchmod " + options.name);
+    if (options.group != static_cast<gid_t>(-1) &&
+        fchown(fd, static_cast<uid_t>(-1), options.group) != 0) {
+      return ErrnoStatus("fchown " + options.name);
+    }
+    obj.truncate(static_cast<bip::offset_t>(options.size_bytes));
+    void* addr = mmap(nullptr, options.size_bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    if (addr == MAP_FAILED) return ErrnoStatus("mmap " + options.name);
+    seg.data_ = addr;
+  } catch (const bip::interprocess_exception& e) {
+    absl::Status s = FromInterprocess(e, "create shared memory " + options.name);
+    if (!absl::IsAlreadyExists(s)) ShmSegment::Remove(options.name).IgnoreError();
+    seg.remove_on_destroy_ = false;
+    return s;
+  }
+
+  // The binding must precede the first touch: tmpfs pages take the shared policy when allocated.
+  if (options.numa_node >= 0) {
+    std::vector<unsigned long> mask((options.numa_node / (8 * sizeof(unsigned long))) + 1, 0);
+    mask[options.numa_node / (8 * sizeof(unsigned long))] |=
+        1ul << (options.numa_node % (8 * sizeof(unsigned long)));
+    if (mbind(seg.data_, seg.size_bytes_, MPOL_BIND, mask.data(),
+              mask.size() * 8 * sizeof(unsigned long) + 1, 0) != 0) {
+      return ErrnoStatus(absl::StrCat("mbind ", options.name, " to NUMA node ", options.numa_node));
+    }
+    seg.numa_node_ = options.numa_node;
+  }
+  absl::Status populated =
+      Populate(static_cast<char*>(seg.data_), seg.size_bytes_, options.populate_pool);
+  if (!populated.ok()) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "segment ", options.name, ": could not allocate ", HumanBytes(options.size_bytes),
+        " (/dev/shm or RAM ran out while populating): ", populated.message()));
+  }
+  if (options.mlock != MlockPolicy::kOff) {
+    if (mlock(seg.data_, seg.size_bytes_) == 0) {
+      seg.locked_ = true;
+    } else if (options.mlock == MlockPolicy::kRequired) {
+      const int err = errno;
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "segment ", options.name, ": mlock of ", HumanBytes(options.size_bytes), " failed: ",
+          std::strerror(err), "; raise LimitMEMLOCK / ulimit -l or use mlock = best_effort"));
+    }
+  }
+  seg.remove_on_destroy_ = false;
+  return seg;
+}
+
+absl::StatusOr<ShmSegment> ShmSegment::Open(const std::string& name, bool writable) {
+  RETURN_IF_ERROR(ValidateName(name));
+  ShmSegment seg;
+  seg.name_ = name;
+  try {
+    bip::shared_memory_object obj(bip::open_only, name.c_str(),
+                                  writable ? bip::read_write : bip::read_only);
+    const int fd = obj.get_mapping_handle().handle;
+    struct stat st;
+    if (fstat(fd, &st) != 0) return ErrnoStatus("fstat " + name);
+    if (st.st_size <= 0) return absl::FailedPreconditionError("segment " + name + " is empty");
+    seg.size_bytes_ = static_cast<size_t>(st.st_size);
+    void* addr = mmap(nullptr, seg.size_bytes_, writable ? PROT_READ | PROT_WRITE : PROT_READ,
+                      MAP_SHARED, fd, 0);
+    if (addr == MAP_FAILED) return ErrnoStatus("mmap " + name);
+    seg.data_ = addr;
+  } catch (const bip::interprocess_exception& e) {
+    return FromInterprocess(e, "open shared memory " + name);
+  }
+  return seg;
+}
+
+absl::Status ShmSegment::Remove(const std::string& name) {
+  RETURN_IF_ERROR(ValidateName(name));
+  if (shm_unlink(("/" + name).c_str()) != 0 && errno != ENOENT) {
+    return ErrnoStatus("shm_unlink " + name);
+  }
+  return absl::OkStatus();
+}
+
+bool ShmSegment::Exists(const std::string& name) {
+  struct stat st;
+  return stat(("/dev/shm/" + name).c_str(), &st) == 0;
+}
+
+ShmSegment::ShmSegment(ShmSegment&& other) noexcept { *this = std::move(other); }
+
+ShmSegment& ShmSegment::operator=(ShmSegment&& other) noexcept {
+  if (this != &other) {
+    Reset();
+    name_ = std::move(other.name_);
+    data_ = std::exchange(other.data_, nullptr);
+    size_bytes_ = std::exchange(other.size_bytes_, 0);
+    locked_ = std::exchange(other.locked_, false);
+    numa_node_ = std::exchange(other.numa_node_, -1);
+    remove_on_destroy_ = std::exchange(other.remove_on_destroy_, false);
+  }
+  return *this;
+}
+
+ShmSegment::~ShmSegment() { Reset(); }
+
+void ShmSegment::Reset() {
+  if (data_ != nullptr) {
+    if (locked_) munlock(data_, size_bytes_);
+    munmap(data_, size_bytes_);
+    data_ = nullptr;
+  }
+  if (remove_on_destroy_ && !name_.empty()) ShmSegment::Remove(name_).IgnoreError();
+  remove_on_destroy_ = false;
+  locked_ = false;
+}
+
+}  // namespace slidedp::hostd

@@ -1,0 +1,109 @@
+#include "hostd/shm_segment.h"
+
+#include <sys/stat.h>
+
+#include <cstring>
+
+#include "common/thread_pool.h"
+#include "gtest/gtest.h"
+#include "hostd/test_util.h"
+
+namespace slidedp::hostd {
+namespace {
+
+using testing::UniqueInstance;
+
+TEST(ShmSegmentTest, CreateMapsExactSizeWithMode) {
+  const std::string name = "slidedp." + UniqueInstance("seg");
+  ShmSegment::CreateOptions o;
+  o.name = name;
+  o.size_bytes = 3 * 4096;
+  o.mode = 0600;
+  auto seg = ShmSegment::Create(o);
+  ASSERT_TRUE(seg.ok()) << seg.status();
+  EXPECT_TRUE(seg->locked());
+  struct stat st;
+  ASSERT_EQ(stat(("/dev/shm/" + name).c_str(), &st), 0);
+  EXPECT_EQ(st.st_size, 3 * 4096);
+  EXPECT_EQ(st.st_mode & 0777, 0600u);
+  std::memset(seg->data(), 0x5a, seg->size_bytes());
+
+  auto reader = ShmSegment::Open(name, /*writable=*/false);
+  ASSERT_TRUE(reader.ok()) << reader.status();
+  EXPECT_EQ(reader->size_bytes(), 3u * 4096);
+  EXPECT_EQ(static_cast<unsigned char*>(reader->data())[4097], 0x5a);
+
+  auto again = ShmSegment::Create(o);
+  ASSERT_FALSE(again.ok());
+  EXPECT_EQ(again.status().code(), absl::StatusCode::kAlreadyExists);
+  ASSERT_TRUE(ShmSegment::Remove(name).ok());
+  EXPECT_FALSE(ShmSegment::Exists(name));
+  EXPECT_TRUE(ShmSegment::Remove(name).ok());  // idempotent
+}
+
+TEST(ShmSegmentTest, GroupModeAndParallelPopulate) {
+  auto pool = ThreadPool::Create({.num_threads = 2});
+  ASSERT_TRUE(pool.ok());
+  ShmSegment::CreateOptions o;
+  o.name = "slidedp." + UniqueInstance("seg660");
+  o.size_bytes = 64 * 4096;
+  o.mode = 0660;
+  o.populate_pool = pool->get();
+  o.mlock = MlockPolicy::kOff;
+  auto seg = ShmSegment::Create(o);
+  ASSERT_TRUE(seg.ok()) << seg.status();
+  EXPECT_FALSE(seg->locked());
+  struct stat st;
+  ASSERT_EQ(stat(("/dev/shm/" + o.name).c_str(), &st), 0);
+  EXPECT_EQ(st.st_mode & 0777, 0660u);
+  // Populated pages are counted in the file's blocks.
+  EXPECT_GE(static_cast<uint64_t>(st.st_blocks) * 512, o.size_bytes);
+  seg->set_remove_on_destroy(true);
+}
+
+TEST(ShmSegmentTest, NumaBindingToNodeZero) {
+  ShmSegment::CreateOptions o;
+  o.name = "slidedp." + UniqueInstance("numa");
+  o.size_bytes = 16 * 4096;
+  o.numa_node = 0;
+  auto seg = ShmSegment::Create(o);
+  ASSERT_TRUE(seg.ok()) << seg.status();
+  EXPECT_EQ(seg->numa_node(), 0);
+  seg->set_remove_on_destroy(true);
+}
+
+TEST(ShmSegmentTest, TooLargeIsResourceExhaustedNamingBytes) {
+  ShmSegment::CreateOptions o;
+  o.name = "slidedp." + UniqueInstance("huge");
+  o.size_bytes = size_t{1} << 50;  // 1 PiB
+  auto seg = ShmSegment::Create(o);
+  ASSERT_FALSE(seg.ok());
+  EXPECT_EQ(seg.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_NE(seg.status().message().find("1125899906842624 bytes"), std::string::npos)
+      << seg.status();
+  EXPECT_FALSE(ShmSegment::Exists(o.name));  // nothing left behind
+}
+
+TEST(ShmSegmentTest, BadNamesAndMissingSegments) {
+  ShmSegment::CreateOptions o;
+  o.name = "has/slash";
+  o.size_bytes = 4096;
+  EXPECT_EQ(ShmSegment::Create(o).status().code(), absl::StatusCode::kInvalidArgument);
+  o.name = "slidedp." + UniqueInstance("zero");
+  o.size_bytes = 0;
+  EXPECT_EQ(ShmSegment::Create(o).status().code(), absl::StatusCode::kInvalidArgument);
+  auto missing = ShmSegment::Open("slidedp." + UniqueInstance("absent"), false);
+  ASSERT_FALSE(missing.ok());
+  EXPECT_EQ(missing.status().code(), absl::StatusCode::kNotFound) << missing.status();
+}
+
+TEST(ShmSegmentTest, HostMemoryInfoIsPlausible) {
+  auto info = ReadHostMemoryInfo();
+  ASSERT_TRUE(info.ok()) << info.status();
+  EXPECT_GT(info->shm_free_bytes, 0u);
+  EXPECT_GT(info->mem_available_bytes, 0u);
+  EXPECT_GT(info->memlock_limit_bytes, 0u);
+}
+
+}  // namespace
+}  // namespace slidedp::hostd

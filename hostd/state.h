@@ -1,0 +1,143 @@
+// TrainingState: the one authoritative copy of a model's training state, in named shared memory.
+//
+//   control segment: SegmentHeader, ControlBlock, RankSlot[kMaxRanks], LayerControl[L]
+//   state segment:   per layer, FP32 master | m | v (hostd only; never mapped by ranks)
+//   params segment:  per layer, the BF16 parameters of the layer's committed version
+// Layer regions start on page boundaries so ranks can register and DMA them in chunks.
+//
+// Create() sizes, binds, populates and locks the segments (see ShmSegment), then initializes
+// the weights deterministically from the seed: element i of tensor T gets a value that depends
+// only on (seed, T's name, i), so the init does not depend on thread count or layer order.
+// Norm weights are 1, biases 0, other tensors N(0, initializer_range). m = v = 0, every layer
+// at version 0, and the BF16 params are the round-to-nearest-even cast of the master.
+//
+// Ownership: TrainingState owns the mappings; it removes the segment names on destruction only
+// when set_remove_on_destroy(true) (a clean stop), so a crash leaves them for re-adoption.
+// Thread safety: layer data is written only by the update worker (one writer per layer at a
+// time); version words and counters are atomics (shm::Atomic). Accessors are const and safe.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "hostd/manifest.h"
+#include "hostd/shm_segment.h"
+#include "proto/shm_abi.h"
+
+namespace slidedp {
+class ThreadPool;
+}
+
+namespace slidedp::hostd {
+
+struct TensorRange {
+  std::string name;
+  uint64_t offset = 0;  // elements from the start of the layer
+  uint64_t numel = 0;
+  bool no_decay = false;
+  InitKind init = InitKind::kNormal;
+};
+
+struct LayerInfo {
+  uint32_t index = 0;
+  std::string name;
+  int kind = 0;  // slidedp::v1::LayerKind
+  uint64_t numel = 0;
+  std::vector<TensorRange> tensors;
+  uint64_t state_offset = 0;  // bytes in the state segment
+  uint64_t state_stride = 0;  // bytes between master, m and v
+  uint64_t param_offset = 0;  // bytes in the params segment
+  uint64_t param_bytes = 0;   // numel * 2 (region is page-aligned beyond)
+};
+
+std::string SegmentName(const std::string& instance, shm::SegmentKind kind);
+
+class TrainingState {
+ public:
+  struct Options {
+    std::string instance = "default";
+    LoadedModel model;
+    uint32_t world_size = 1;
+    int numa_node = -1;
+    mode_t mode = 0600;
+    gid_t group = static_cast<gid_t>(-1);
+    MlockPolicy mlock = MlockPolicy::kRequired;
+    uint64_t seed = 0;
+    bool zero_init = false;  // "init = zeros": every tensor 0 except norms (1)
+    uint64_t instance_nonce = 0;
+  };
+
+  // ALREADY_EXISTS if segments of this instance exist (the caller decides to adopt or remove),
+  // RESOURCE_EXHAUSTED when memory is short, INVALID_ARGUMENT for a bad manifest.
+  static absl::StatusOr<std::unique_ptr<TrainingState>> Create(const Options& options,
+                                                               ThreadPool* pool);
+  // Removes every segment name of `instance` (stale state nobody will adopt).
+  static absl::Status RemoveSegments(const std::string& instance);
+
+  ~TrainingState();
+  TrainingState(const TrainingState&) = delete;
+  TrainingState& operator=(const TrainingState&) = delete;
+
+  const LoadedModel& model() const { return model_; }
+  uint64_t manifest_hash() const { return manifest_hash_; }
+  uint32_t world_size() const { return world_size_; }
+  int numa_node() const { return numa_node_; }
+  const std::vector<LayerInfo>& layers() const { return layers_; }
+  uint32_t num_layers() const { return static_cast<uint32_t>(layers_.size()); }
+  uint64_t total_params() const { return total_params_; }
+
+  float* master(uint32_t layer) const;
+  float* exp_avg(uint32_t layer) const;
+  float* exp_avg_sq(uint32_t layer) const;
+  uint16_t* params(uint32_t layer) const;
+
+  shm::ControlBlock& control() const;
+  shm::RankSlot& rank_slot(uint32_t rank) const;
+  shm::LayerControl& layer_control(uint32_t layer) const;
+
+  uint64_t committed_version(uint32_t layer) const;
+  // Marks the start of writing `version` into `layer` (pending_version = version).
+  void BeginLayerWrite(uint32_t layer, uint64_t version) const;
+  // Publishes `version` (release) and wakes waiters on the layer's futex word.
+  void PublishLayer(uint32_t layer, uint64_t version) const;
+
+  // xxh64 over master, m, v and params of one layer / of every layer (for tests and audits).
+  uint64_t LayerChecksum(uint32_t layer) const;
+  uint64_t Checksum() const;
+
+  struct SegmentView {
+    std::string name;
+    shm::SegmentKind kind;
+    uint64_t size_bytes;
+    int numa_node;
+    bool locked;
+  };
+  std::vector<SegmentView> segments() const;
+  uint64_t shm_bytes() const;
+  uint64_t locked_bytes() const;
+
+  void set_remove_on_destroy(bool remove);
+
+ private:
+  TrainingState() = default;
+  absl::Status Initialize(const Options& options, ThreadPool* pool);
+
+  LoadedModel model_;
+  uint64_t manifest_hash_ = 0;
+  uint32_t world_size_ = 1;
+  int numa_node_ = -1;
+  std::vector<LayerInfo> layers_;
+  uint64_t total_params_ = 0;
+  // Declared in creation order; destroyed in reverse.
+  ShmSegment control_;
+  ShmSegment state_;
+  ShmSegment params_;
+};
+
+// Wakes every waiter blocked on a futex word in shared memory.
+void FutexWakeAll(uint32_t* word);
+
+}  // namespace slidedp::hostd

@@ -1,0 +1,78 @@
+// ControlClient: slidedpctl's connection to hostd's slidedp.v1.Control service.
+//
+// Every call carries a deadline of `timeout_ms` and returns the daemon's gRPC status translated
+// once into absl::Status (same canonical code, same message). Classifying a failure as
+// "unreachable" vs "rejected" is the caller's job (see IsUnreachable).
+//
+// The channel is unauthenticated (insecure credentials): over a unix socket the filesystem
+// permissions of the socket are the access control, and TCP endpoints are limited to loopback
+// addresses by MakeTcpEndpoint.
+//
+// Thread safety: a ControlClient may be used from several threads (gRPC stubs are thread-safe),
+// but slidedpctl uses each one from a single thread.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "slidedp/v1/control.grpc.pb.h"
+
+namespace slidedp::ctl {
+
+// Where hostd listens.
+struct Endpoint {
+  std::string target;       // gRPC target: "unix:/run/slidedp/hostd.sock" or "127.0.0.1:7070"
+  std::string socket_path;  // the unix socket path; empty for TCP
+};
+
+Endpoint MakeUnixEndpoint(absl::string_view socket_path);
+
+// Parses "HOST:PORT" (IPv6 as "[::1]:PORT"). INVALID_ARGUMENT unless HOST is a loopback address
+// (localhost, 127.0.0.0/8, [::1]) and PORT is in 1..65535: the channel has no authentication.
+absl::StatusOr<Endpoint> MakeTcpEndpoint(absl::string_view host_port);
+
+// The BuildInfo slidedpctl presents at handshake: component "slidedpctl" and the build's
+// version, git revision, protocol and shared-memory ABI versions (common/version.h).
+v1::BuildInfo ClientBuildInfo();
+
+// True for the codes that mean "no daemon answered" rather than "the daemon said no":
+// UNAVAILABLE (no socket, connection refused, daemon went away) and DEADLINE_EXCEEDED.
+bool IsUnreachable(const absl::Status& status);
+
+class ControlClient {
+ public:
+  // Creates the channel; does not contact the daemon (Handshake does). For a unix endpoint the
+  // socket must exist and be a socket, else UNAVAILABLE naming the path. `timeout_ms` > 0 is the
+  // deadline of each call.
+  static absl::StatusOr<ControlClient> Connect(const Endpoint& endpoint, int64_t timeout_ms);
+
+  // For tests: calls go through `stub`.
+  ControlClient(std::unique_ptr<v1::Control::StubInterface> stub, int64_t timeout_ms);
+
+  ControlClient(ControlClient&&) = default;
+  ControlClient& operator=(ControlClient&&) = default;
+  ControlClient(const ControlClient&) = delete;
+  ControlClient& operator=(const ControlClient&) = delete;
+
+  // Presents ClientBuildInfo(). A daemon that refuses this client's versions answers
+  // FAILED_PRECONDITION with a message naming both sides.
+  absl::StatusOr<v1::HandshakeResponse> Handshake();
+  absl::StatusOr<v1::GetStatusResponse> GetStatus();
+  absl::StatusOr<v1::ListLayersResponse> ListLayers(const std::string& job_id);
+  absl::StatusOr<v1::ListRanksResponse> ListRanks(const std::string& job_id);
+  absl::StatusOr<v1::GetStatsResponse> GetStats(const std::string& job_id);
+  absl::StatusOr<v1::GetConfigResponse> GetConfig();
+
+ private:
+  template <typename Response, typename Request, typename Method>
+  absl::StatusOr<Response> Call(Method method, const Request& request);
+
+  std::unique_ptr<v1::Control::StubInterface> stub_;
+  int64_t timeout_ms_;
+};
+
+}  // namespace slidedp::ctl

@@ -1,0 +1,312 @@
+#include "slidedpctl/ctl.h"
+
+#include <cstdint>
+#include <cstdlib>
+#include <exception>
+#include <string>
+#include <utility>
+
+#include "CLI/CLI.hpp"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/string_view.h"
+#include "common/version.h"
+#include "slidedpctl/client.h"
+#include "slidedpctl/json_convert.h"
+#include "slidedpctl/render.h"
+
+namespace slidedp::ctl {
+namespace {
+
+constexpr char kFooter[] = R"(Environment:
+  SLIDEDP_SOCKET  hostd's socket when --socket is not given (default /run/slidedp/hostd.sock)
+
+Exit codes:
+  0  success
+  1  internal error in slidedpctl
+  2  usage error (unknown subcommand or flag, bad value)
+  3  hostd unreachable (no socket, connection refused, or no answer within --timeout-ms)
+  4  hostd rejected the request (e.g. version skew at handshake, unknown job))";
+
+struct GlobalOptions {
+  std::string socket_path;
+  std::string tcp;
+  int64_t timeout_ms = kDefaultTimeoutMs;
+  bool json = false;
+};
+
+// What one command needs: where hostd is and where to print.
+struct Context {
+  GlobalOptions options;
+  Endpoint endpoint;
+  std::ostream& out;
+  std::ostream& err;
+};
+
+struct Session {
+  ControlClient client;
+  v1::HandshakeResponse hello;
+};
+
+struct Failure {
+  int exit_code;
+  std::string message;  // one line, without the "slidedpctl: " prefix
+  std::string hint;     // optional second line
+};
+
+Failure DescribeRpcFailure(const Context& ctx, absl::string_view rpc, const absl::Status& status) {
+  if (IsUnreachable(status)) {
+    std::string detail(status.message());
+    if (status.code() == absl::StatusCode::kDeadlineExceeded) {
+      detail = absl::StrCat("no answer to ", rpc, " within ", ctx.options.timeout_ms, " ms (",
+                            status.message(), ")");
+    }
+    const char* where =
+        ctx.endpoint.socket_path.empty() ? "(check --tcp)" : "(set --socket or SLIDEDP_SOCKET)";
+    return {kExitUnreachable,
+            absl::StrCat("cannot reach hostd at ", ctx.endpoint.target, ": ", detail,
+                         "; is hostd running? ", where),
+            ""};
+  }
+  Failure failure{kExitRejected,
+                  absl::StrCat("hostd rejected ", rpc, ": ",
+                               absl::StatusCodeToString(status.code()), ": ", status.message()),
+                  ""};
+  if (rpc == "Handshake" && status.code() == absl::StatusCode::kFailedPrecondition) {
+    failure.hint = absl::StrCat("version skew: this slidedpctl is ", kVersion, " (protocol ",
+                                kProtocolVersion, ", shm abi ", kShmAbiVersion,
+                                "); use the slidedpctl that ships with the running hostd");
+  }
+  return failure;
+}
+
+int Report(const Context& ctx, const Failure& failure) {
+  ctx.err << "slidedpctl: " << failure.message << '\n';
+  if (!failure.hint.empty()) ctx.err << "slidedpctl: " << failure.hint << '\n';
+  return failure.exit_code;
+}
+
+// Connects and handshakes; every command starts here. Failures are Handshake's (a missing
+// socket is UNAVAILABLE like a refused connection).
+absl::StatusOr<Session> Open(const Context& ctx) {
+  absl::StatusOr<ControlClient> client =
+      ControlClient::Connect(ctx.endpoint, ctx.options.timeout_ms);
+  if (!client.ok()) return client.status();
+  absl::StatusOr<v1::HandshakeResponse> hello = client->Handshake();
+  if (!hello.ok()) return hello.status();
+  const uint32_t daemon_protocol = hello->daemon().protocol_version();
+  if (daemon_protocol != 0 && daemon_protocol != kProtocolVersion) {
+    // hostd accepted us, so it considers the versions compatible; still worth knowing.
+    ctx.err << "slidedpctl: warning: hostd speaks protocol " << daemon_protocol
+            << ", slidedpctl speaks " << kProtocolVersion << '\n';
+  }
+  return Session{*std::move(client), *std::move(hello)};
+}
+
+// The common shape of a query command: open, call `rpc`, print the response.
+template <typename Fetch, typename Print>
+int Query(const Context& ctx, absl::string_view rpc, Fetch fetch, Print print) {
+  absl::StatusOr<Session> session = Open(ctx);
+  if (!session.ok()) return Report(ctx, DescribeRpcFailure(ctx, "Handshake", session.status()));
+  auto response = fetch(session->client);
+  if (!response.ok()) return Report(ctx, DescribeRpcFailure(ctx, rpc, response.status()));
+  print(*response);
+  return kExitOk;
+}
+
+int RunVersion(const Context& ctx) {
+  const v1::BuildInfo client = ClientBuildInfo();
+  absl::StatusOr<Session> session = Open(ctx);
+  const v1::BuildInfo* daemon = session.ok() ? &session->hello.daemon() : nullptr;
+  Failure failure{kExitOk, "", ""};
+  if (!session.ok()) failure = DescribeRpcFailure(ctx, "Handshake", session.status());
+  if (ctx.options.json) {
+    PrintJson(VersionToJson(client, daemon, failure.message), ctx.out);
+  } else {
+    VersionTable(client, daemon).Print(ctx.out);
+  }
+  return failure.exit_code == kExitOk ? kExitOk : Report(ctx, failure);
+}
+
+int RunStatus(const Context& ctx) {
+  return Query(
+      ctx, "GetStatus", [](ControlClient& c) { return c.GetStatus(); },
+      [&ctx](const v1::GetStatusResponse& r) {
+        if (ctx.options.json) {
+          PrintJson(StatusToJson(r), ctx.out);
+        } else {
+          PrintStatus(r, ctx.out);
+        }
+      });
+}
+
+int RunLayers(const Context& ctx, const std::string& job_id) {
+  return Query(
+      ctx, "ListLayers", [&job_id](ControlClient& c) { return c.ListLayers(job_id); },
+      [&ctx](const v1::ListLayersResponse& r) {
+        if (ctx.options.json) {
+          PrintJson(LayersToJson(r.layers()), ctx.out);
+        } else {
+          LayersTable(r.layers()).Print(ctx.out);
+        }
+      });
+}
+
+int RunRanks(const Context& ctx, const std::string& job_id) {
+  return Query(
+      ctx, "ListRanks", [&job_id](ControlClient& c) { return c.ListRanks(job_id); },
+      [&ctx](const v1::ListRanksResponse& r) {
+        if (ctx.options.json) {
+          PrintJson(ProtoToJsonArray(r.ranks()), ctx.out);
+        } else {
+          RanksTable(r.ranks()).Print(ctx.out);
+        }
+      });
+}
+
+int RunStats(const Context& ctx, const std::string& job_id) {
+  return Query(
+      ctx, "GetStats", [&job_id](ControlClient& c) { return c.GetStats(job_id); },
+      [&ctx](const v1::GetStatsResponse& r) {
+        if (ctx.options.json) {
+          PrintJson(ProtoToJson(r), ctx.out);
+        } else {
+          StatsTable(r).Print(ctx.out);
+        }
+      });
+}
+
+int RunConfigShow(const Context& ctx, bool toml) {
+  return Query(
+      ctx, "GetConfig", [](ControlClient& c) { return c.GetConfig(); },
+      [&ctx, toml](const v1::GetConfigResponse& r) {
+        if (toml && ctx.options.json) {
+          PrintJson(nlohmann::ordered_json{{"toml", r.toml()}}, ctx.out);
+        } else if (toml) {
+          ctx.out << r.toml();
+          if (!r.toml().empty() && r.toml().back() != '\n') ctx.out << '\n';
+        } else if (ctx.options.json) {
+          PrintJson(ProtoToJsonArray(r.entries()), ctx.out);
+        } else {
+          ConfigTable(r).Print(ctx.out);
+        }
+      });
+}
+
+int Run(const std::vector<std::string>& args, std::ostream& out, std::ostream& err) {
+  GlobalOptions options;
+  std::string job_id;
+  bool toml = false;
+
+  CLI::App app("slidedpctl: query the SlideDP host daemon (hostd) over its control socket.",
+               "slidedpctl");
+  // Set before the subcommands are added, which inherit them: the footer, and fallthrough so
+  // that global options (--json, --socket, ...) are accepted after the subcommand too.
+  app.footer(kFooter);
+  app.fallthrough();
+  app.require_subcommand(1);
+  app.set_version_flag("--version",
+                       absl::StrCat("slidedpctl ", kVersion, " (git ", kGitRevision, ", protocol ",
+                                    kProtocolVersion, ", shm abi ", kShmAbiVersion, ")"));
+
+  CLI::Option* socket_opt =
+      app.add_option("--socket", options.socket_path,
+                     "hostd's unix socket (default: $SLIDEDP_SOCKET, else /run/slidedp/hostd.sock)")
+          ->type_name("PATH");
+  app.add_option("--tcp", options.tcp, "reach hostd over loopback TCP instead of a unix socket")
+      ->type_name("HOST:PORT")
+      ->excludes(socket_opt);
+  app.add_option("--timeout-ms", options.timeout_ms, "deadline of each request to hostd")
+      ->check(CLI::Range(int64_t{1}, int64_t{3'600'000}))
+      ->capture_default_str();
+  app.add_flag("--json", options.json,
+               "print one JSON document instead of tables (also accepted after the subcommand)");
+
+  CLI::App* version_cmd =
+      app.add_subcommand("version", "slidedpctl's build info, and hostd's when it is reachable");
+  CLI::App* status_cmd =
+      app.add_subcommand("status", "daemon, job, shared memory and per-layer summary");
+  CLI::App* layers_cmd = app.add_subcommand("layers", "per-layer table: size, version, NUMA node");
+  CLI::App* ranks_cmd = app.add_subcommand("ranks", "attached ranks and their liveness");
+  CLI::App* stats_cmd = app.add_subcommand("stats", "optimizer throughput counters");
+  for (CLI::App* cmd : {layers_cmd, ranks_cmd, stats_cmd}) {
+    cmd->add_option("--job", job_id, "job id (default: the daemon's job)")->type_name("ID");
+  }
+  CLI::App* config_cmd = app.add_subcommand("config", "hostd's effective configuration");
+  config_cmd->require_subcommand(1);
+  CLI::App* config_show_cmd =
+      config_cmd->add_subcommand("show", "every config key with its value and source");
+  config_show_cmd->add_flag("--toml", toml, "print the effective config as a TOML document");
+
+  try {
+    std::vector<std::string> reversed(args.rbegin(), args.rend());  // CLI11 consumes from back
+    app.parse(reversed);
+  } catch (const CLI::ParseError& e) {
+    if (e.get_exit_code() == static_cast<int>(CLI::ExitCodes::Success)) {
+      app.exit(e, out, err);  // --help, --version
+      return kExitOk;
+    }
+    // CLI11 checks "a subcommand is required" before it reports extras, which would hide the
+    // likely cause: a misspelled command.
+    std::string message = e.what();
+    CLI::App* leaf = &app;
+    while (!leaf->get_subcommands().empty()) leaf = leaf->get_subcommands().front();
+    const std::vector<CLI::App*> choices = leaf->get_subcommands([](CLI::App*) { return true; });
+    if (leaf->get_require_subcommand_min() > 0 && !choices.empty()) {
+      for (const std::string& arg : app.remaining(/*recurse=*/true)) {
+        if (!arg.empty() && arg.front() != '-') {
+          message = absl::StrCat("unknown command \"", arg, "\"; expected one of: ",
+                                 absl::StrJoin(choices, ", ", [](std::string* out, CLI::App* c) {
+                                   out->append(c->get_name());
+                                 }));
+          break;
+        }
+      }
+    }
+    err << "slidedpctl: " << message << "\nRun 'slidedpctl --help' for usage.\n";
+    return kExitUsage;
+  }
+
+  Endpoint endpoint;
+  if (!options.tcp.empty()) {
+    absl::StatusOr<Endpoint> tcp = MakeTcpEndpoint(options.tcp);
+    if (!tcp.ok()) {
+      err << "slidedpctl: " << tcp.status().message() << '\n';
+      return kExitUsage;
+    }
+    endpoint = *std::move(tcp);
+  } else {
+    std::string path = options.socket_path;
+    if (path.empty()) {
+      const char* env = std::getenv(kSocketEnv);
+      path = (env != nullptr && *env != '\0') ? env : kDefaultSocket;
+    }
+    endpoint = MakeUnixEndpoint(path);
+  }
+
+  const Context ctx{std::move(options), std::move(endpoint), out, err};
+  if (version_cmd->parsed()) return RunVersion(ctx);
+  if (status_cmd->parsed()) return RunStatus(ctx);
+  if (layers_cmd->parsed()) return RunLayers(ctx, job_id);
+  if (ranks_cmd->parsed()) return RunRanks(ctx, job_id);
+  if (stats_cmd->parsed()) return RunStats(ctx, job_id);
+  if (config_show_cmd->parsed()) return RunConfigShow(ctx, toml);
+  err << "slidedpctl: no command given\nRun 'slidedpctl --help' for usage.\n";
+  return kExitUsage;
+}
+
+}  // namespace
+
+int RunCtl(const std::vector<std::string>& args, std::ostream& out, std::ostream& err) {
+  // Nothing may escape as an exception (a bug in slidedpctl or a library): report it as one.
+  try {
+    return Run(args, out, err);
+  } catch (const std::exception& e) {
+    err << "slidedpctl: internal error: " << e.what() << '\n';
+    return kExitInternal;
+  }
+}
+
+}  // namespace slidedp::ctl

@@ -1,0 +1,42 @@
+// slidedpctl: the operator CLI for hostd. It only talks to the daemon over slidedp.v1 gRPC
+// (unix socket, or loopback TCP); it never maps shared memory or reads hostd's files.
+//
+// RunCtl is the whole program minus process setup, so tests drive it directly against an
+// in-process fake Control service. Every command first handshakes (presenting slidedpctl's
+// BuildInfo), then issues its query and prints either aligned tables or, with --json, one JSON
+// document on `out`. Errors go to `err`, one line each, prefixed "slidedpctl: ".
+//
+// Exit codes:
+//   0  success
+//   1  internal error in slidedpctl (a bug)
+//   2  usage error: unknown subcommand or flag, bad value (CLI11 parse error), bad --tcp
+//   3  hostd unreachable: socket missing, connection refused, daemon went away (UNAVAILABLE)
+//      or no answer within --timeout-ms (DEADLINE_EXCEEDED)
+//   4  hostd rejected the request: any other non-OK status, including FAILED_PRECONDITION at
+//      handshake on version skew
+//
+// Thread safety: RunCtl reads the environment (SLIDEDP_SOCKET) and shares no other state, so
+// concurrent calls are safe as long as nobody mutates the environment meanwhile.
+#pragma once
+
+#include <ostream>
+#include <string>
+#include <vector>
+
+namespace slidedp::ctl {
+
+inline constexpr int kExitOk = 0;
+inline constexpr int kExitInternal = 1;
+inline constexpr int kExitUsage = 2;
+inline constexpr int kExitUnreachable = 3;
+inline constexpr int kExitRejected = 4;
+
+inline constexpr char kDefaultSocket[] = "/run/slidedp/hostd.sock";
+inline constexpr char kSocketEnv[] = "SLIDEDP_SOCKET";
+inline constexpr int kDefaultTimeoutMs = 5000;
+
+// Runs one invocation. `args` are the command-line arguments without the program name, e.g.
+// {"--socket", "/tmp/h.sock", "layers", "--json"}. Returns the exit code above.
+int RunCtl(const std::vector<std::string>& args, std::ostream& out, std::ostream& err);
+
+}  // namespace slidedp::ctl

@@ -1,0 +1,78 @@
+#include "slidedpctl/render.h"
+
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "slidedpctl/fake_control_service.h"
+
+namespace slidedp::ctl {
+namespace {
+
+using nlohmann::ordered_json;
+using ::testing::HasSubstr;
+
+TEST(LayerToJsonTest, BytesFollowsVersionAndSumsStateAndParams) {
+  v1::LayerStatus layer;
+  layer.set_version(3);
+  layer.set_state_bytes(uint64_t{12} << 32);
+  layer.set_param_bytes(uint64_t{2} << 32);
+  const ordered_json json = LayerToJson(layer);
+  std::vector<std::string> keys;
+  for (const auto& [key, value] : json.items()) keys.push_back(key);
+  ASSERT_GE(keys.size(), 6u);
+  EXPECT_EQ(keys[4], "version");
+  EXPECT_EQ(keys[5], "bytes");
+  EXPECT_EQ(json["bytes"].get<uint64_t>(), uint64_t{14} << 32);
+}
+
+TEST(StatusToJsonTest, KeysInContractOrderAndNullJob) {
+  const ordered_json json = StatusToJson(testing::CannedStatus());
+  std::vector<std::string> keys;
+  for (const auto& [key, value] : json.items()) keys.push_back(key);
+  EXPECT_EQ(keys, (std::vector<std::string>{"daemon", "instance", "socket", "uptime_ms", "job",
+                                            "layers", "ranks", "segments", "topology", "shm_bytes",
+                                            "locked_bytes"}));
+  EXPECT_TRUE(json["layers"][0].contains("bytes"));
+
+  v1::GetStatusResponse no_job = testing::CannedStatus();
+  no_job.clear_job();
+  EXPECT_TRUE(StatusToJson(no_job)["job"].is_null());
+}
+
+TEST(VersionToJsonTest, DaemonAndErrorAreNullWhenAbsent) {
+  v1::BuildInfo client;
+  client.set_component("slidedpctl");
+  const ordered_json without = VersionToJson(client, nullptr, "cannot reach hostd");
+  EXPECT_TRUE(without["daemon"].is_null());
+  EXPECT_EQ(without["error"], "cannot reach hostd");
+  const v1::BuildInfo daemon = testing::CannedStatus().daemon();
+  const ordered_json with = VersionToJson(client, &daemon, "");
+  EXPECT_EQ(with["daemon"]["component"], "hostd");
+  EXPECT_EQ(with["daemon"]["features"], ordered_json::array({"cpu_reduction", "global_clip"}));
+  EXPECT_TRUE(with["error"].is_null());
+}
+
+TEST(PrintStatusTest, NoJobSaysSo) {
+  v1::GetStatusResponse status = testing::CannedStatus();
+  status.clear_job();
+  status.clear_layers();
+  std::ostringstream out;
+  PrintStatus(status, out);
+  EXPECT_THAT(out.str(), ::testing::ContainsRegex("\njob +none\n"));
+  EXPECT_THAT(out.str(), HasSubstr("no layers"));
+}
+
+TEST(PrintStatusTest, ShowsOptimizerAndRoutes) {
+  std::ostringstream out;
+  PrintStatus(testing::CannedStatus(), out);
+  EXPECT_THAT(out.str(), HasSubstr("lr 0.0003 (now 0.00025), cosine schedule"));
+  EXPECT_THAT(out.str(), HasSubstr("clip global at 1"));
+  EXPECT_THAT(out.str(), HasSubstr("params replicated, grads cpu_reduction, chunk 4.0 MiB"));
+  EXPECT_THAT(out.str(), HasSubstr("4.3G params"));
+}
+
+}  // namespace
+}  // namespace slidedp::ctl

@@ -1,0 +1,191 @@
+#!/usr/bin/env python3
+"""hostd + slidedpctl as a user runs them: real processes, a real unix socket, real segments.
+
+Usage: hostd_cli_test.py HOSTD SLIDEDPCTL   (CTest passes the built binaries)
+Python standard library only.
+"""
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import unittest
+
+HOSTD = SLIDEDPCTL = None
+
+QWEN3_0_6B = {
+    "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 1024,
+    "intermediate_size": 3072, "num_hidden_layers": 28, "num_attention_heads": 16,
+    "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936,
+    "tie_word_embeddings": True, "rms_norm_eps": 1e-6, "max_position_embeddings": 40960,
+    "rope_theta": 1000000, "torch_dtype": "bfloat16", "initializer_range": 0.02,
+}
+
+
+def shm_names(instance):
+    return sorted(n for n in os.listdir("/dev/shm") if n.startswith(f"slidedp.{instance}."))
+
+
+class Daemon:
+    def __init__(self, tmp, model, instance, *extra):
+        self.socket = os.path.join(tmp, f"{instance}.sock")
+        self.instance = instance
+        self.log = open(os.path.join(tmp, f"{instance}.log"), "w+")
+        self.proc = subprocess.Popen(
+            [HOSTD, "--model", model, "--socket", self.socket, "--instance", instance,
+             "--update_threads", "0", *extra],
+            stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.time() + 240
+        while not os.path.exists(self.socket):
+            if self.proc.poll() is not None:
+                raise AssertionError(f"hostd exited {self.proc.returncode}: {self.output()}")
+            if time.time() > deadline:
+                raise AssertionError("hostd did not create its socket: " + self.output())
+            time.sleep(0.1)
+
+    def output(self):
+        self.log.flush()
+        self.log.seek(0)
+        return self.log.read()
+
+    def ctl(self, *args, check=True):
+        r = subprocess.run([SLIDEDPCTL, "--socket", self.socket, *args], capture_output=True,
+                           text=True, timeout=60)
+        if check and r.returncode != 0:
+            raise AssertionError(f"slidedpctl {args} -> {r.returncode}: {r.stderr}")
+        return r
+
+    def stop(self):
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            self.proc.wait(timeout=60)
+        return self.proc.returncode
+
+
+class HostdCliTest(unittest.TestCase):
+    def setUp(self):
+        self.tmp = tempfile.mkdtemp(prefix="slidedp-cli-")
+        self.daemons = []
+
+    def tearDown(self):
+        for d in self.daemons:
+            if d.proc.poll() is None:
+                d.proc.kill()
+                d.proc.wait()
+            d.log.close()
+            for n in shm_names(d.instance):
+                os.unlink(os.path.join("/dev/shm", n))
+
+    def start(self, model, tag, *extra):
+        d = Daemon(self.tmp, model, f"cli{os.getpid()}{tag}", *extra)
+        self.daemons.append(d)
+        return d
+
+    def check_status_json(self, d, expected_layers):
+        st = json.loads(d.ctl("status", "--json").stdout)
+        layers = st["layers"]
+        self.assertEqual([l["name"] for l in layers], expected_layers)
+        for i, l in enumerate(layers):
+            self.assertEqual(l["layer"], i)
+            self.assertEqual(l["version"], 0)
+            self.assertIsInstance(l["bytes"], int)
+            self.assertGreaterEqual(l["bytes"], 14 * l["numel"])
+            self.assertIsInstance(l["numa_node"], int)
+            self.assertGreaterEqual(l["numa_node"], 0)
+        return st
+
+    def check_layers_table(self, d, n_layers):
+        out = d.ctl("layers").stdout.rstrip("\n").split("\n")
+        header = out[0]
+        self.assertTrue(header.startswith("LAYER"), header)
+        rows = out[1:]
+        self.assertEqual(len(rows), n_layers, out)
+        # Aligned: under every header word, each row's cell either starts where the word starts
+        # (left-aligned text) or ends where it ends (right-aligned numbers).
+        cols = [(m.start(), m.end()) for m in re.finditer(r"\S+", header)]
+        for r in rows:
+            r = r.ljust(len(header))
+            for s, e in cols:
+                starts_here = r[s] != " " and (s == 0 or r[s - 1] == " ")
+                ends_here = r[e - 1] != " " and (e >= len(r) or r[e] == " ")
+                self.assertTrue(starts_here or ends_here,
+                                f"row {r!r} is not aligned under {header[s:e]!r} of {header!r}")
+
+    def test_qwen3_0_6b_config_json(self):
+        mdir = os.path.join(self.tmp, "qwen3-0.6b")
+        os.makedirs(mdir)
+        with open(os.path.join(mdir, "config.json"), "w") as f:
+            json.dump(QWEN3_0_6B, f)
+        d = self.start(mdir, "q06")
+        names = (["model.embed_tokens"] + [f"model.layers.{i}" for i in range(28)] +
+                 ["model.norm"])
+        st = self.check_status_json(d, names)
+        self.assertEqual(st["job"]["total_params"], 596049920)
+        self.assertEqual(st["job"]["family"], "qwen3")
+        self.check_layers_table(d, 30)
+        self.assertEqual(len(shm_names(d.instance)), 3)
+        self.assertEqual(d.stop(), 0, d.output())
+        self.assertEqual(shm_names(d.instance), [], "clean stop must remove the segments")
+
+    def test_tiny_and_config_file_path(self):
+        d = self.start("tiny", "tiny")
+        tiny = (["model.embed_tokens"] + [f"model.layers.{i}" for i in range(4)] +
+                ["model.norm", "lm_head"])
+        self.check_status_json(d, tiny)
+        self.check_layers_table(d, 7)
+        v = json.loads(d.ctl("version", "--json").stdout)
+        self.assertEqual(v["client"]["version"], v["daemon"]["version"])
+        cfg = d.ctl("config", "show", "--json").stdout
+        self.assertIn('"flag"', cfg)
+        self.assertEqual(d.stop(), 0)
+
+        path = os.path.join(self.tmp, "cfg.json")
+        with open(path, "w") as f:
+            json.dump(dict(QWEN3_0_6B, hidden_size=64, intermediate_size=128,
+                           num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                           head_dim=16, vocab_size=256), f)
+        d2 = self.start(path, "file")
+        self.check_status_json(d2, ["model.embed_tokens", "model.layers.0", "model.layers.1",
+                                    "model.norm"])
+        self.assertEqual(d2.stop(), 0)
+
+    def test_second_daemon_same_instance_is_refused_and_state_kept(self):
+        d = self.start("tiny", "dup")
+        before = json.loads(d.ctl("status", "--json").stdout)
+        other = subprocess.run([HOSTD, "--model", "tiny", "--instance", d.instance, "--socket",
+                                os.path.join(self.tmp, "other.sock")],
+                               capture_output=True, text=True, timeout=60)
+        self.assertEqual(other.returncode, 1)
+        self.assertIn("in use by hostd pid", other.stdout + other.stderr)
+        after = json.loads(d.ctl("status", "--json").stdout)
+        self.assertEqual(before["layers"], after["layers"])
+        self.assertEqual(d.stop(), 0)
+
+    def test_unreachable_and_rejected_exit_codes(self):
+        r = subprocess.run([SLIDEDPCTL, "--socket", os.path.join(self.tmp, "none.sock"),
+                            "status"], capture_output=True, text=True, timeout=60)
+        self.assertEqual(r.returncode, 3, r.stderr)
+        self.assertIn("cannot reach hostd", r.stderr)
+
+    def test_help_and_bad_config(self):
+        h = subprocess.run([HOSTD, "--help"], capture_output=True, text=True, timeout=60)
+        self.assertEqual(h.returncode, 0)
+        for key in ("--model", "--socket", "--lr", "--clip", "SLIDEDP_LR"):
+            self.assertIn(key, h.stdout)
+        bad = subprocess.run([HOSTD, "--clip", "sometimes"], capture_output=True, text=True,
+                             timeout=60)
+        self.assertEqual(bad.returncode, 2)
+        self.assertIn("clip", bad.stderr)
+        missing = subprocess.run([HOSTD, "--model", os.path.join(self.tmp, "absent"), "--socket",
+                                  os.path.join(self.tmp, "x.sock"), "--instance", "absent"],
+                                 capture_output=True, text=True, timeout=60)
+        self.assertEqual(missing.returncode, 1)
+        self.assertIn("absent", missing.stdout + missing.stderr)
+
+
+if __name__ == "__main__":
+    HOSTD, SLIDEDPCTL = sys.argv[1], sys.argv[2]
+    unittest.main(argv=sys.argv[:1], verbosity=2)
