@@ -33,7 +33,9 @@ enum class Isa : uint8_t {
 
 std::string_view IsaName(Isa isa);
 std::optional<Isa> ParseIsa(std::string_view name);  // "scalar", "avx2", "avx512", "avx512bf16"
-bool IsaSupported(Isa isa);  // CPUID + XGETBV (OS saves the vector state)
+bool IsaSupported(Isa isa);                          // CPUID + XGETBV (OS saves the vector state)
+// Every entry point below serves an ISA the CPU lacks with the best supported one; all paths
+// give bit-identical results, so this changes speed only.
 // Best supported ISA; the environment variable SLIDEDP_ISA may lower it (never raise it past
 // what the CPU supports).
 Isa BestIsa();
@@ -54,7 +56,7 @@ struct AdamWScalars {
   float grad_scale;                 // e.g. 1/world_size times the clipping coefficient
 };
 
-// step >= 1 is the 1-based optimizer step. Bias corrections are computed in double.
+// Precondition: step >= 1 (the 1-based optimizer step). Bias corrections are computed in double.
 AdamWScalars MakeAdamWScalars(double lr, double beta1, double beta2, double eps,
                               double weight_decay, double grad_scale, uint64_t step);
 
@@ -68,17 +70,19 @@ struct GradStats {
   double sum_squares = 0;  // of the unscaled gradient; NaN/Inf elements are excluded
   uint64_t nonfinite = 0;  // count of NaN or +-Inf elements
 };
-// Deterministic for every ISA and every split that respects kStatsBlock: the range is cut into
-// blocks of kStatsBlock elements (the last may be short); within a block, element i adds its
-// square (in double) to lane i % 16 in order; the block's sum is the lanes added in a fixed
-// pairwise tree; block sums are added in block order. `n` need not be a multiple of the block;
-// callers splitting across threads must split at multiples of kStatsBlock and add per-range
-// results with CombineGradStats in range order.
+// Bit-identical for every ISA: the range is cut into blocks of kStatsBlock elements (the last may
+// be short); within a block, element i adds its square (in double) to lane i % 16 in order; the
+// block's sum is the lanes added in a fixed pairwise tree; block sums are added in block order.
+// A result over a whole range therefore depends on where the range starts and ends: callers that
+// need the same value for any thread count call this once per block, keep the per-block sums
+// and add them in block order on one thread (the update worker does; see hostd/optimizer.cc).
+// CombineGradStats adds two results (sum, then count) for callers that do not need that.
 inline constexpr size_t kStatsBlock = 4096;
 GradStats ComputeGradStats(Isa isa, const void* grad, GradType grad_type, size_t n);
 GradStats CombineGradStats(const GradStats& a, const GradStats& b);
 
 // FP32 -> BF16 round-to-nearest-even (NaN -> quiet NaN keeping sign), and the exact widening.
+// Where several NaN inputs meet in one element, NaN-ness is defined, not the payload.
 void CastFp32ToBf16(Isa isa, const float* in, uint16_t* out, size_t n);
 void CastBf16ToFp32(Isa isa, const uint16_t* in, float* out, size_t n);
 
