@@ -9,6 +9,7 @@
 #include <random>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/string_view.h"
 #include "common/status_macros.h"
@@ -21,6 +22,12 @@ namespace {
 
 using std::chrono::milliseconds;
 using SteadyClock = std::chrono::steady_clock;
+
+// Gradient ring slots per rank: enough for a chunk in flight per rank while the reducer works
+// on the previous ones.
+constexpr uint32_t kGradRingSlots = 4;
+// GPU reduction routes: the rank that pushes the aggregated gradient.
+constexpr uint32_t kGradPushingRank = 0;
 
 uint64_t MonotonicNs() {
   timespec ts;
@@ -137,6 +144,7 @@ void Engine::Shutdown(bool remove_state) {
     monitor_stop_ = true;
   }
   if (monitor_.joinable()) monitor_.join();
+  if (reducer_) reducer_->Stop();
   if (worker_) worker_->Stop();
   if (state_ && remove_state) state_->set_remove_on_destroy(true);
 }
@@ -215,6 +223,10 @@ absl::Status Engine::CreateJobLocked(slidedp::v1::JobSpec spec, LoadedModel mode
   so.seed = spec.seed();
   so.zero_init = config_.init == "zeros";
   so.instance_nonce = std::random_device()() | (uint64_t{std::random_device()()} << 32);
+  so.chunk_bytes = routes->chunk_bytes();
+  so.grad_ring_slots = kGradRingSlots;
+  so.grad_dtype = static_cast<uint32_t>(spec.optimizer().grad_dtype());
+  so.grad_route = static_cast<uint32_t>(routes->grad_route());
   // Segments left by an earlier hostd of this instance: one that is still alive owns them;
   // otherwise they are stale (re-adoption is a later capability) and are removed.
   const std::string control_name = SegmentName(config_.instance, shm::SegmentKind::kControl);
@@ -247,6 +259,29 @@ absl::Status Engine::CreateJobLocked(slidedp::v1::JobSpec spec, LoadedModel mode
                       kernels::kStatsBlock * kernels::kStatsBlock;
   worker_ = std::make_unique<UpdateWorker>(state_.get(), pool_.get(), wo, spec.optimizer());
   worker_->Start();
+  GradientReducer::Options ro;
+  ro.grad_type = spec.optimizer().grad_dtype() == slidedp::v1::DTYPE_FP32
+                     ? kernels::GradType::kFp32
+                     : kernels::GradType::kBf16;
+  if (routes->grad_route() == slidedp::v1::GRAD_ROUTE_CPU_REDUCTION) {
+    for (uint32_t r = 0; r < spec.world_size(); ++r) ro.pushing_ranks.push_back(r);
+  } else {
+    ro.pushing_ranks.push_back(kGradPushingRank);  // the aggregated gradient comes from one rank
+  }
+  // The reducer calls the worker directly (never under mu_: lock order is engine, then reducer).
+  reducer_ = std::make_unique<GradientReducer>(
+      state_.get(), ro,
+      [this](uint32_t layer, uint64_t step, GradientRef grad, UpdateWorker::DoneFn done) {
+        return worker_->Submit(layer, step, grad, [this, done](const LayerUpdateResult& r) {
+          OnLayerDone(r);
+          if (done) done(r);
+        });
+      },
+      [this](uint64_t step, const std::string& reason) {
+        absl::MutexLock lock(&mu_);
+        if (running_step_ == step) AbortStepLocked(step, "gradient protocol error: " + reason);
+      });
+  reducer_->Start();
   ranks_.assign(spec.world_size(), RankEntry{});
   last_grad_norm_.assign(state_->num_layers(), 0.0);
   job_ = std::move(spec);
@@ -325,6 +360,10 @@ absl::StatusOr<slidedp::v1::AttachRankResponse> Engine::AttachRank(
   layout->set_chunk_bytes(job_->routes().chunk_bytes());
   layout->set_manifest_hash(have);
   layout->set_world_size(job_->world_size());
+  layout->set_grad_ring_slots(state_->grad_ring_slots());
+  layout->set_grad_dtype(job_->optimizer().grad_dtype());
+  layout->set_grad_route(job_->routes().grad_route());
+  layout->set_grad_pushing_rank(kGradPushingRank);
   for (const auto& seg : state_->segments()) {
     if (seg.kind == shm::SegmentKind::kState) continue;  // hostd only
     auto* s = layout->add_segments();
@@ -392,6 +431,14 @@ absl::StatusOr<slidedp::v1::BeginStepResponse> Engine::BeginStep(
     return absl::FailedPreconditionError(
         absl::StrCat("rank ", r.rank(), " is not attached; attach before beginning a step"));
   }
+  if (running_step_ != 0 && r.step() == running_step_ + 1) {
+    // The previous step's last updates are still running: wait for them (bounded), so a fast
+    // rank may call BeginStep as soon as it has pushed its last gradient.
+    auto done = [this]()
+                    ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return running_step_ == 0 || !serving_; };
+    mu_.AwaitWithTimeout(absl::Condition(&done), absl::Seconds(60));
+    RETURN_IF_ERROR(CheckServing());
+  }
   const uint64_t expected = running_step_ != 0 ? running_step_ : next_step_;
   if (r.step() != expected) {
     return absl::OutOfRangeError(absl::StrCat("step: expected ", expected,
@@ -405,6 +452,7 @@ absl::StatusOr<slidedp::v1::BeginStepResponse> Engine::BeginStep(
     step_state_ = "running";
     layers_done_in_step_ = 0;
     step_update_seconds_ = 0;
+    reducer_->Arm(r.step());
     shm::Atomic(state_->control().step_state)
         .store(static_cast<uint64_t>(shm::StepState::kRunning), std::memory_order_release);
     slidedp::v1::SessionEvent ev;
@@ -427,6 +475,12 @@ void Engine::AbortStepLocked(uint64_t step, absl::string_view reason) {
   shm::Atomic(cb.abort_epoch).fetch_add(1, std::memory_order_acq_rel);
   shm::Atomic(cb.wake_seq).fetch_add(1, std::memory_order_acq_rel);
   FutexWakeAll(&cb.wake_seq);
+  reducer_->Abort(step);
+  // Ranks blocked on a version gate wake up and see the new abort_epoch.
+  for (uint32_t l = 0; l < state_->num_layers(); ++l) {
+    shm::Atomic(state_->layer_control(l).wake_seq).fetch_add(1, std::memory_order_acq_rel);
+    FutexWakeAll(&state_->layer_control(l).wake_seq);
+  }
   worker_->AbortStep(step, [this, step] {
     shm::ControlBlock& c = state_->control();
     shm::Atomic(c.next_step).store(step + 1, std::memory_order_release);
@@ -652,7 +706,12 @@ absl::StatusOr<slidedp::v1::ListLayersResponse> Engine::ListLayers(
   absl::MutexLock lock(&mu_);
   RETURN_IF_ERROR(CheckJob(r.job_id()));
   slidedp::v1::ListLayersResponse resp;
-  for (auto& l : LayerStatuses()) *resp.add_layers() = std::move(l);
+  for (auto& l : LayerStatuses()) {
+    if (r.checksums()) {
+      l.set_checksum(absl::StrFormat("%016x", state_->LayerChecksum(l.layer())));
+    }
+    *resp.add_layers() = std::move(l);
+  }
   return resp;
 }
 

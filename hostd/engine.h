@@ -26,6 +26,7 @@
 #include "common/thread_pool.h"
 #include "hostd/config.h"
 #include "hostd/optimizer.h"
+#include "hostd/reducer.h"
 #include "hostd/state.h"
 #include "hostd/topology.h"
 #include "slidedp/v1/control.pb.h"
@@ -92,6 +93,7 @@ class Engine {
 
   TrainingState* state() const { return state_.get(); }
   UpdateWorker* worker() const { return worker_.get(); }
+  GradientReducer* reducer() const { return reducer_.get(); }
   const HostdConfig& config() const { return config_; }
   const Topology& topology() const { return topology_; }
 
@@ -135,6 +137,7 @@ class Engine {
   std::optional<slidedp::v1::JobSpec> job_ ABSL_GUARDED_BY(mu_);
   std::unique_ptr<TrainingState> state_;  // set once under mu_, then read-only
   std::unique_ptr<UpdateWorker> worker_;  // set once under mu_, then read-only
+  std::unique_ptr<GradientReducer> reducer_;  // set once under mu_, then read-only
   std::vector<RankEntry> ranks_ ABSL_GUARDED_BY(mu_);
   uint64_t next_step_ ABSL_GUARDED_BY(mu_) = 1;
   uint64_t running_step_ ABSL_GUARDED_BY(mu_) = 0;  // 0: none

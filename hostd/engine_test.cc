@@ -95,7 +95,7 @@ TEST_F(EngineTest, StatusListsEveryLayerWithVersionBytesAndNuma) {
     total += l.numel();
   }
   EXPECT_EQ(total, st.job().total_params());
-  EXPECT_EQ(st.segments_size(), 3);
+  EXPECT_EQ(st.segments_size(), 4);
   EXPECT_GT(st.shm_bytes(), 14 * total);
   EXPECT_EQ(st.daemon().version(), kVersion);
 }
@@ -258,7 +258,7 @@ TEST_F(EngineTest, AttachBeforeModelExistsIsFailedPrecondition) {
   EXPECT_EQ(cjr.spec().optimizer().beta2(), 0.999);
   v1::AttachRankResponse a = Attach(1);
   EXPECT_EQ(a.layout().layers_size(), 2);
-  EXPECT_EQ(a.layout().segments_size(), 2);  // control and params; never the state segment
+  EXPECT_EQ(a.layout().segments_size(), 3);  // control, params, grads; never the state segment
   EXPECT_EQ(a.layout().layers(0).tensors(1).name(), "block0.proj.weight");
   EXPECT_EQ(a.layout().layers(0).tensors(1).offset_elements(), 37u);
   // The same manifest again is idempotent.

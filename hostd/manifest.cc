@@ -531,4 +531,29 @@ absl::StatusOr<LoadedModel> LoadModel(std::string_view spec) {
   return ManifestFromHfConfig(text, path.string());
 }
 
+namespace {
+
+uint64_t InitMix(uint64_t x) {
+  x += 0x9E3779B97F4A7C15ULL;
+  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ULL;
+  x = (x ^ (x >> 27)) * 0x94D049BB133111EBULL;
+  return x ^ (x >> 31);
+}
+
+}  // namespace
+
+float InitialValue(uint64_t seed, std::string_view tensor_name, InitKind kind, double std_dev,
+                   uint64_t index) {
+  if (kind == InitKind::kOnes) return 1.0f;
+  if (kind == InitKind::kZeros) return 0.0f;
+  const uint64_t key = InitMix(seed ^ XXH64(tensor_name.data(), tensor_name.size(), 0));
+  // Box-Muller on two 53-bit uniforms.
+  const uint64_t a = InitMix(key ^ InitMix(2 * index));
+  const uint64_t b = InitMix(key ^ InitMix(2 * index + 1));
+  const double u1 = (static_cast<double>(a >> 11) + 1.0) * 0x1.0p-53;  // (0, 1]
+  const double u2 = static_cast<double>(b >> 11) * 0x1.0p-53;          // [0, 1)
+  const double n = std::sqrt(-2.0 * std::log(u1)) * std::cos(2.0 * 3.14159265358979323846 * u2);
+  return static_cast<float>(std_dev) * static_cast<float>(n);
+}
+
 }  // namespace slidedp::hostd

@@ -98,6 +98,13 @@ enum class InitKind { kNormal, kOnes, kZeros };
 // ends with "bias") zeros, everything else normal(0, initializer_range).
 InitKind TensorInitKind(const slidedp::v1::TensorSpec& t);
 
+// The deterministic initial value of element `index` of tensor `tensor_name`: 1 for kOnes, 0 for
+// kZeros, else std_dev * N(0, 1) from a counter-based generator keyed by (seed, tensor name), so
+// a value depends on nothing else (not the layer order, not the thread count). hostd's init and
+// reference trainers use this one function.
+float InitialValue(uint64_t seed, std::string_view tensor_name, InitKind kind, double std_dev,
+                   uint64_t index);
+
 // True for the tensors that ManifestFromHfConfig marks no_decay (norm weights and biases).
 bool IsNormOrBias(std::string_view tensor_name);
 

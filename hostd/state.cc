@@ -39,15 +39,6 @@ uint64_t SplitMix64(uint64_t x) {
   return x ^ (x >> 31);
 }
 
-// N(0, 1) for element `index` of the stream `key` (Box-Muller on two 53-bit uniforms).
-float NormalAt(uint64_t key, uint64_t index) {
-  const uint64_t a = SplitMix64(key ^ SplitMix64(2 * index));
-  const uint64_t b = SplitMix64(key ^ SplitMix64(2 * index + 1));
-  const double u1 = (static_cast<double>(a >> 11) + 1.0) * 0x1.0p-53;  // (0, 1]
-  const double u2 = static_cast<double>(b >> 11) * 0x1.0p-53;          // [0, 1)
-  return static_cast<float>(std::sqrt(-2.0 * std::log(u1)) * std::cos(2.0 * std::numbers::pi * u2));
-}
-
 void WriteHeader(const ShmSegment& seg, shm::SegmentKind kind, uint64_t manifest_hash,
                  uint64_t nonce, uint32_t layers, uint32_t world_size,
                  const std::string& instance) {
@@ -151,22 +142,42 @@ absl::Status TrainingState::Initialize(const Options& options, ThreadPool* pool)
   };
   const uint32_t nl = num_layers();
   // Until the state is complete, a failure must not leave half-made segments behind.
-  ASSIGN_OR_RETURN(control_, make(shm::SegmentKind::kControl, shm::ControlSegmentBytes(nl),
+  if (options.chunk_bytes < 4096 || options.chunk_bytes % 4096 != 0 ||
+      options.grad_ring_slots < 1 || options.grad_ring_slots > 1024) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("chunk_bytes must be a multiple of 4096 (got ", options.chunk_bytes,
+                     ") and grad_ring_slots in 1..1024 (got ", options.grad_ring_slots, ")"));
+  }
+  chunk_bytes_ = options.chunk_bytes;
+  grad_ring_slots_ = options.grad_ring_slots;
+  ASSIGN_OR_RETURN(control_, make(shm::SegmentKind::kControl,
+                                  shm::ControlSegmentBytes(nl, world_size_, grad_ring_slots_),
                                   numa_node_, options.mlock));
   control_.set_remove_on_destroy(true);
   ASSIGN_OR_RETURN(state_, make(shm::SegmentKind::kState, state_off, numa_node_, options.mlock));
   state_.set_remove_on_destroy(true);
   ASSIGN_OR_RETURN(params_, make(shm::SegmentKind::kParams, param_off, numa_node_, options.mlock));
   params_.set_remove_on_destroy(true);
+  ASSIGN_OR_RETURN(grads_, make(shm::SegmentKind::kGrads,
+                                shm::GradSlotOffset(world_size_, 0, grad_ring_slots_, chunk_bytes_),
+                                numa_node_, options.mlock));
+  grads_.set_remove_on_destroy(true);
 
   const uint64_t nonce = options.instance_nonce;
   WriteHeader(control_, shm::SegmentKind::kControl, manifest_hash_, nonce, nl, world_size_, inst);
   WriteHeader(state_, shm::SegmentKind::kState, manifest_hash_, nonce, nl, world_size_, inst);
   WriteHeader(params_, shm::SegmentKind::kParams, manifest_hash_, nonce, nl, world_size_, inst);
+  WriteHeader(grads_, shm::SegmentKind::kGrads, manifest_hash_, nonce, nl, world_size_, inst);
   shm::ControlBlock& cb = control();
   std::memset(&cb, 0, sizeof(cb));
   cb.next_step = 1;
   cb.hostd_pid = static_cast<uint64_t>(getpid());
+  cb.chunk_bytes = chunk_bytes_;
+  cb.grad_ring_slots = grad_ring_slots_;
+  cb.grad_dtype = options.grad_dtype;
+  cb.grad_route = options.grad_route;
+  std::memset(&chunk_slot(0, 0), 0,
+              size_t{world_size_} * grad_ring_slots_ * sizeof(shm::ChunkSlot));
   for (uint32_t r = 0; r < shm::kMaxRanks; ++r)
     std::memset(&rank_slot(r), 0, sizeof(shm::RankSlot));
 
@@ -185,16 +196,12 @@ absl::Status TrainingState::Initialize(const Options& options, ThreadPool* pool)
     float* v = exp_avg_sq(info.index);
     uint16_t* p = params(info.index);
     for (const TensorRange& t : info.tensors) {
-      const uint64_t key = SplitMix64(options.seed ^ XXH64(t.name.data(), t.name.size(), 0));
-      const float std_dev = static_cast<float>(model_.initializer_range);
       InitKind init = t.init;
       if (options.zero_init && init == InitKind::kNormal) init = InitKind::kZeros;
       auto fill = [&](size_t b, size_t e, int) {
         float* out = w + t.offset;
         for (size_t i = b; i < e; ++i) {
-          out[i] = init == InitKind::kOnes    ? 1.0f
-                   : init == InitKind::kZeros ? 0.0f
-                                              : std_dev * NormalAt(key, i);
+          out[i] = InitialValue(options.seed, t.name, init, model_.initializer_range, i);
         }
       };
       if (pool != nullptr) {
@@ -215,7 +222,7 @@ absl::Status TrainingState::Initialize(const Options& options, ThreadPool* pool)
     }
   }
   // Readers check `ready` (acquire) before trusting a header.
-  for (const ShmSegment* seg : {&control_, &state_, &params_}) {
+  for (const ShmSegment* seg : {&control_, &state_, &params_, &grads_}) {
     shm::Atomic(seg->at<shm::SegmentHeader>(0)->ready).store(1, std::memory_order_release);
   }
   set_remove_on_destroy(false);
@@ -245,6 +252,13 @@ shm::RankSlot& TrainingState::rank_slot(uint32_t rank) const {
 shm::LayerControl& TrainingState::layer_control(uint32_t layer) const {
   return control_.at<shm::LayerControl>(shm::kLayerControlOffset)[layer];
 }
+shm::ChunkSlot& TrainingState::chunk_slot(uint32_t rank, uint32_t slot) const {
+  return control_.at<shm::ChunkSlot>(
+      shm::ChunkSlotsOffset(num_layers()))[shm::ChunkSlotIndex(rank, slot, grad_ring_slots_)];
+}
+void* TrainingState::grad_slot_data(uint32_t rank, uint32_t slot) const {
+  return grads_.at<char>(shm::GradSlotOffset(rank, slot, grad_ring_slots_, chunk_bytes_));
+}
 
 uint64_t TrainingState::committed_version(uint32_t layer) const {
   return shm::Atomic(layer_control(layer).committed_version).load(std::memory_order_acquire);
@@ -261,17 +275,22 @@ void TrainingState::PublishLayer(uint32_t layer, uint64_t version) const {
   FutexWakeAll(&lc.wake_seq);
 }
 
-uint64_t TrainingState::LayerChecksum(uint32_t layer) const {
-  const uint64_t n = layers_[layer].numel;
+uint64_t LayerStateChecksum(uint32_t layer, const float* master, const float* m, const float* v,
+                            const uint16_t* params, uint64_t n) {
   XXH64_state_t* st = XXH64_createState();
   XXH64_reset(st, layer);
-  XXH64_update(st, master(layer), n * sizeof(float));
-  XXH64_update(st, exp_avg(layer), n * sizeof(float));
-  XXH64_update(st, exp_avg_sq(layer), n * sizeof(float));
-  XXH64_update(st, params(layer), n * sizeof(uint16_t));
+  XXH64_update(st, master, n * sizeof(float));
+  XXH64_update(st, m, n * sizeof(float));
+  XXH64_update(st, v, n * sizeof(float));
+  XXH64_update(st, params, n * sizeof(uint16_t));
   const uint64_t h = XXH64_digest(st);
   XXH64_freeState(st);
   return h;
+}
+
+uint64_t TrainingState::LayerChecksum(uint32_t layer) const {
+  return LayerStateChecksum(layer, master(layer), exp_avg(layer), exp_avg_sq(layer), params(layer),
+                            layers_[layer].numel);
 }
 
 uint64_t TrainingState::Checksum() const {
@@ -285,7 +304,8 @@ std::vector<TrainingState::SegmentView> TrainingState::segments() const {
   const std::pair<const ShmSegment*, shm::SegmentKind> segs[] = {
       {&control_, shm::SegmentKind::kControl},
       {&state_, shm::SegmentKind::kState},
-      {&params_, shm::SegmentKind::kParams}};
+      {&params_, shm::SegmentKind::kParams},
+      {&grads_, shm::SegmentKind::kGrads}};
   for (const auto& [seg, kind] : segs) {
     out.push_back({seg->name(), kind, seg->size_bytes(), seg->numa_node(), seg->locked()});
   }
@@ -293,12 +313,12 @@ std::vector<TrainingState::SegmentView> TrainingState::segments() const {
 }
 
 uint64_t TrainingState::shm_bytes() const {
-  return control_.size_bytes() + state_.size_bytes() + params_.size_bytes();
+  return control_.size_bytes() + state_.size_bytes() + params_.size_bytes() + grads_.size_bytes();
 }
 
 uint64_t TrainingState::locked_bytes() const {
   uint64_t b = 0;
-  for (const ShmSegment* seg : {&control_, &state_, &params_}) {
+  for (const ShmSegment* seg : {&control_, &state_, &params_, &grads_}) {
     if (seg->locked()) b += seg->size_bytes();
   }
   return b;
@@ -308,6 +328,7 @@ void TrainingState::set_remove_on_destroy(bool remove) {
   control_.set_remove_on_destroy(remove);
   state_.set_remove_on_destroy(remove);
   params_.set_remove_on_destroy(remove);
+  grads_.set_remove_on_destroy(remove);
 }
 
 }  // namespace slidedp::hostd

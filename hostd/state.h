@@ -3,6 +3,7 @@
 //   control segment: SegmentHeader, ControlBlock, RankSlot[kMaxRanks], LayerControl[L]
 //   state segment:   per layer, FP32 master | m | v (hostd only; never mapped by ranks)
 //   params segment:  per layer, the BF16 parameters of the layer's committed version
+//   grads segment:   per rank, a ring of gradient chunks (see proto/shm_abi.h)
 // Layer regions start on page boundaries so ranks can register and DMA them in chunks.
 //
 // Create() sizes, binds, populates and locks the segments (see ShmSegment), then initializes
@@ -23,8 +24,8 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "common/shm_segment.h"
 #include "hostd/manifest.h"
-#include "hostd/shm_segment.h"
 #include "proto/shm_abi.h"
 
 namespace slidedp {
@@ -55,6 +56,11 @@ struct LayerInfo {
 
 std::string SegmentName(const std::string& instance, shm::SegmentKind kind);
 
+// xxh64 (seed = layer index) over a layer's master, m, v (FP32) and params (BF16), in that
+// order: TrainingState::LayerChecksum, and what reference trainers compute to compare with hostd.
+uint64_t LayerStateChecksum(uint32_t layer, const float* master, const float* m, const float* v,
+                            const uint16_t* params, uint64_t n);
+
 class TrainingState {
  public:
   struct Options {
@@ -68,6 +74,11 @@ class TrainingState {
     uint64_t seed = 0;
     bool zero_init = false;  // "init = zeros": every tensor 0 except norms (1)
     uint64_t instance_nonce = 0;
+    // Gradient staging: per rank a ring of grad_ring_slots chunks of chunk_bytes.
+    uint64_t chunk_bytes = 1 << 20;
+    uint32_t grad_ring_slots = 4;
+    uint32_t grad_dtype = 2;  // slidedp::v1::DType
+    uint32_t grad_route = 1;  // slidedp::v1::GradRoute
   };
 
   // ALREADY_EXISTS if segments of this instance exist (the caller decides to adopt or remove),
@@ -97,6 +108,11 @@ class TrainingState {
   shm::ControlBlock& control() const;
   shm::RankSlot& rank_slot(uint32_t rank) const;
   shm::LayerControl& layer_control(uint32_t layer) const;
+  shm::ChunkSlot& chunk_slot(uint32_t rank, uint32_t slot) const;
+  // The data region of a ring slot in the grads segment (chunk_bytes long).
+  void* grad_slot_data(uint32_t rank, uint32_t slot) const;
+  uint64_t chunk_bytes() const { return chunk_bytes_; }
+  uint32_t grad_ring_slots() const { return grad_ring_slots_; }
 
   uint64_t committed_version(uint32_t layer) const;
   // Marks the start of writing `version` into `layer` (pending_version = version).
@@ -131,10 +147,13 @@ class TrainingState {
   int numa_node_ = -1;
   std::vector<LayerInfo> layers_;
   uint64_t total_params_ = 0;
+  uint64_t chunk_bytes_ = 0;
+  uint32_t grad_ring_slots_ = 0;
   // Declared in creation order; destroyed in reverse.
   ShmSegment control_;
   ShmSegment state_;
   ShmSegment params_;
+  ShmSegment grads_;
 };
 
 // Wakes every waiter blocked on a futex word in shared memory.

@@ -8,10 +8,25 @@
 // interprocess mutexes (not crash-safe): a process that dies mid-update cannot leave a lock held.
 //
 // Segments (names are instance scoped: "slidedp.<instance>.<kind>"):
-//   control: SegmentHeader, ControlBlock, RankSlot[kMaxRanks], LayerControl[layer_count]
+//   control: SegmentHeader, ControlBlock, RankSlot[kMaxRanks], LayerControl[layer_count],
+//            ChunkSlot[world_size][grad_ring_slots]
 //   state:   per layer, FP32 master | m | v (hostd only)
 //   params:  per layer, the BF16 parameters of the layer's committed version
-//   grads:   gradient staging (layout defined by the data-plane protocol)
+//   grads:   gradient staging: per rank a ring of grad_ring_slots chunks of chunk_bytes each
+//
+// Gradient push protocol (CPU reduction: every rank pushes; GPU reduction: one rank pushes the
+// aggregated gradient). Within a step every pushing rank sends its layers in the same order,
+// each layer cut into chunks of chunk_bytes / element size elements; a rank's k-th chunk of the
+// step has sequence number k and goes to ring slot k % grad_ring_slots:
+//   rank:  wait until slot.state == kSlotEmpty (futex on slot.wake_seq), copy the data into the
+//          slot's region of the grads segment, fill the header fields, store state = kSlotFull
+//          (release), bump ControlBlock::doorbell and wake it;
+//   hostd: when slot k % S of every pushing rank is full with sequence k of the running step,
+//          reduce those chunks in fixed rank order into the layer's FP32 gradient, store
+//          state = kSlotEmpty (release) and bump/wake each slot's wake_seq. When a layer's last
+//          chunk is reduced the layer goes to the update worker.
+// An abort bumps abort_epoch and every wake word: waiters return ABORTED; hostd then empties
+// every slot. A slot whose header names another step is stale and is discarded.
 #pragma once
 
 #include <atomic>
@@ -59,7 +74,12 @@ struct alignas(64) ControlBlock {
   uint64_t hostd_alive_ns;  // atomic: CLOCK_MONOTONIC of hostd's last liveness tick
   uint32_t wake_seq;        // atomic futex word: bumped on every abort and shutdown
   uint32_t shutting_down;   // atomic: 1 once hostd stops serving
-  uint64_t reserved[10];
+  uint64_t chunk_bytes;      // capacity of one gradient ring slot
+  uint32_t grad_ring_slots;  // slots per rank
+  uint32_t grad_dtype;       // DType of control.proto (1 FP32, 2 BF16)
+  uint32_t doorbell;         // atomic futex word: ranks bump it after filling a slot
+  uint32_t grad_route;       // GradRoute of control.proto
+  uint64_t reserved[6];
 };
 static_assert(sizeof(ControlBlock) == 128);
 
@@ -93,6 +113,24 @@ struct alignas(64) LayerControl {
 };
 static_assert(sizeof(LayerControl) == 128);
 
+inline constexpr uint64_t kSlotEmpty = 0;
+inline constexpr uint64_t kSlotFull = 1;
+
+// One gradient chunk slot of one rank's ring.
+struct alignas(64) ChunkSlot {
+  uint64_t state;            // atomic: kSlotEmpty or kSlotFull
+  uint64_t step;             // the step the chunk belongs to
+  uint64_t seq;              // the chunk's sequence number within the rank's step
+  uint64_t offset_elements;  // where the chunk starts within the layer
+  uint64_t numel;            // elements in this chunk
+  uint32_t layer;
+  uint32_t dtype;            // DType of control.proto
+  uint32_t wake_seq;         // atomic futex word: bumped when hostd empties the slot or aborts
+  uint32_t reserved0;
+  uint64_t reserved[1];
+};
+static_assert(sizeof(ChunkSlot) == 64);
+
 static_assert(std::is_trivially_copyable_v<SegmentHeader> &&
               std::is_standard_layout_v<SegmentHeader>);
 static_assert(std::is_trivially_copyable_v<ControlBlock> &&
@@ -107,8 +145,21 @@ static_assert(std::atomic_ref<uint32_t>::is_always_lock_free);
 inline constexpr size_t kControlBlockOffset = kHeaderBytes;
 inline constexpr size_t kRankSlotsOffset = kControlBlockOffset + sizeof(ControlBlock);
 inline constexpr size_t kLayerControlOffset = kRankSlotsOffset + kMaxRanks * sizeof(RankSlot);
-inline constexpr size_t ControlSegmentBytes(uint32_t layer_count) {
+inline constexpr size_t ChunkSlotsOffset(uint32_t layer_count) {
   return kLayerControlOffset + size_t{layer_count} * sizeof(LayerControl);
+}
+inline constexpr size_t ChunkSlotIndex(uint32_t rank, uint32_t slot, uint32_t slots_per_rank) {
+  return size_t{rank} * slots_per_rank + slot;
+}
+inline constexpr size_t ControlSegmentBytes(uint32_t layer_count, uint32_t world_size = 0,
+                                            uint32_t slots_per_rank = 0) {
+  return ChunkSlotsOffset(layer_count) +
+         size_t{world_size} * slots_per_rank * sizeof(ChunkSlot);
+}
+// Byte offset of a ring slot's data in the grads segment.
+inline constexpr size_t GradSlotOffset(uint32_t rank, uint32_t slot, uint32_t slots_per_rank,
+                                       uint64_t chunk_bytes) {
+  return kHeaderBytes + ChunkSlotIndex(rank, slot, slots_per_rank) * chunk_bytes;
 }
 
 inline constexpr uint64_t AlignUp(uint64_t v, uint64_t a) { return (v + a - 1) / a * a; }

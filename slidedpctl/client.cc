@@ -125,9 +125,11 @@ absl::StatusOr<v1::GetStatusResponse> ControlClient::GetStatus() {
                                      v1::GetStatusRequest());
 }
 
-absl::StatusOr<v1::ListLayersResponse> ControlClient::ListLayers(const std::string& job_id) {
+absl::StatusOr<v1::ListLayersResponse> ControlClient::ListLayers(const std::string& job_id,
+                                                                 bool checksums) {
   v1::ListLayersRequest request;
   request.set_job_id(job_id);
+  request.set_checksums(checksums);
   return Call<v1::ListLayersResponse>(&v1::Control::StubInterface::ListLayers, request);
 }
 

@@ -62,7 +62,8 @@ class ControlClient {
   // FAILED_PRECONDITION with a message naming both sides.
   absl::StatusOr<v1::HandshakeResponse> Handshake();
   absl::StatusOr<v1::GetStatusResponse> GetStatus();
-  absl::StatusOr<v1::ListLayersResponse> ListLayers(const std::string& job_id);
+  absl::StatusOr<v1::ListLayersResponse> ListLayers(const std::string& job_id,
+                                                    bool checksums = false);
   absl::StatusOr<v1::ListRanksResponse> ListRanks(const std::string& job_id);
   absl::StatusOr<v1::GetStatsResponse> GetStats(const std::string& job_id);
   absl::StatusOr<v1::GetConfigResponse> GetConfig();

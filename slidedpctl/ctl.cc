@@ -142,9 +142,10 @@ int RunStatus(const Context& ctx) {
       });
 }
 
-int RunLayers(const Context& ctx, const std::string& job_id) {
+int RunLayers(const Context& ctx, const std::string& job_id, bool checksums) {
   return Query(
-      ctx, "ListLayers", [&job_id](ControlClient& c) { return c.ListLayers(job_id); },
+      ctx, "ListLayers",
+      [&job_id, checksums](ControlClient& c) { return c.ListLayers(job_id, checksums); },
       [&ctx](const v1::ListLayersResponse& r) {
         if (ctx.options.json) {
           PrintJson(LayersToJson(r.layers()), ctx.out);
@@ -229,6 +230,9 @@ int Run(const std::vector<std::string>& args, std::ostream& out, std::ostream& e
   CLI::App* status_cmd =
       app.add_subcommand("status", "daemon, job, shared memory and per-layer summary");
   CLI::App* layers_cmd = app.add_subcommand("layers", "per-layer table: size, version, NUMA node");
+  bool checksums = false;
+  layers_cmd->add_flag("--checksums", checksums,
+                       "add each layer's xxh64 of master, m, v and params (reads all the state)");
   CLI::App* ranks_cmd = app.add_subcommand("ranks", "attached ranks and their liveness");
   CLI::App* stats_cmd = app.add_subcommand("stats", "optimizer throughput counters");
   for (CLI::App* cmd : {layers_cmd, ranks_cmd, stats_cmd}) {
@@ -289,7 +293,7 @@ int Run(const std::vector<std::string>& args, std::ostream& out, std::ostream& e
   const Context ctx{std::move(options), std::move(endpoint), out, err};
   if (version_cmd->parsed()) return RunVersion(ctx);
   if (status_cmd->parsed()) return RunStatus(ctx);
-  if (layers_cmd->parsed()) return RunLayers(ctx, job_id);
+  if (layers_cmd->parsed()) return RunLayers(ctx, job_id, checksums);
   if (ranks_cmd->parsed()) return RunRanks(ctx, job_id);
   if (stats_cmd->parsed()) return RunStats(ctx, job_id);
   if (config_show_cmd->parsed()) return RunConfigShow(ctx, toml);

@@ -35,7 +35,7 @@ TEST(ProtoToJsonTest, EveryFieldPresentInDeclarationOrder) {
   for (const auto& [key, value] : json.items()) keys.push_back(key);
   EXPECT_EQ(keys, (std::vector<std::string>{"layer", "name", "kind", "numel", "version",
                                             "state_bytes", "param_bytes", "numa_node",
-                                            "skipped_steps", "last_grad_norm"}));
+                                            "skipped_steps", "last_grad_norm", "checksum"}));
   EXPECT_EQ(json["layer"], 0);
   EXPECT_EQ(json["name"], "");
   EXPECT_EQ(json["kind"], "LAYER_KIND_UNSPECIFIED");

@@ -104,12 +104,28 @@ Table LayersTable(const LayerList& layers) {
                {"BYTES", Align::kRight},
                {"NUMA", Align::kRight},
                {"SKIPPED", Align::kRight}});
+  const bool checksums = !layers.empty() && !layers.begin()->checksum().empty();
+  if (checksums)
+    table = Table({{"LAYER", Align::kRight},
+                   {"NAME", Align::kLeft},
+                   {"KIND", Align::kLeft},
+                   {"PARAMS", Align::kRight},
+                   {"VERSION", Align::kRight},
+                   {"BYTES", Align::kRight},
+                   {"NUMA", Align::kRight},
+                   {"SKIPPED", Align::kRight},
+                   {"CHECKSUM", Align::kLeft}});
   for (const v1::LayerStatus& layer : layers) {
-    table.AddRow({absl::StrCat(layer.layer()), layer.name(),
-                  ShortEnumName(v1::LayerKind_descriptor(), layer.kind()),
-                  absl::StrCat(layer.numel()), absl::StrCat(layer.version()),
-                  FormatBytes(layer.state_bytes() + layer.param_bytes()),
-                  FormatIndexOrDash(layer.numa_node()), absl::StrCat(layer.skipped_steps())});
+    std::vector<std::string> row = {absl::StrCat(layer.layer()),
+                                    layer.name(),
+                                    ShortEnumName(v1::LayerKind_descriptor(), layer.kind()),
+                                    absl::StrCat(layer.numel()),
+                                    absl::StrCat(layer.version()),
+                                    FormatBytes(layer.state_bytes() + layer.param_bytes()),
+                                    FormatIndexOrDash(layer.numa_node()),
+                                    absl::StrCat(layer.skipped_steps())};
+    if (checksums) row.push_back(layer.checksum());
+    table.AddRow(row);
   }
   return table;
 }

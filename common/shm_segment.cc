@@ -1,4 +1,4 @@
-#include "hostd/shm_segment.h"
+#include "common/shm_segment.h"
 
 #include <fcntl.h>
 #include <linux/capability.h>
@@ -26,7 +26,7 @@
 #define MADV_POPULATE_WRITE 23
 #endif
 
-namespace slidedp::hostd {
+namespace slidedp {
 namespace bip = boost::interprocess;
 namespace {
 
@@ -256,4 +256,4 @@ void ShmSegment::Reset() {
   locked_ = false;
 }
 
-}  // namespace slidedp::hostd
+}  // namespace slidedp

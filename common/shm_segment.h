@@ -28,7 +28,7 @@ namespace slidedp {
 class ThreadPool;
 }
 
-namespace slidedp::hostd {
+namespace slidedp {
 
 enum class MlockPolicy { kRequired, kBestEffort, kOff };
 
@@ -91,4 +91,4 @@ struct HostMemoryInfo {
 };
 absl::StatusOr<HostMemoryInfo> ReadHostMemoryInfo();
 
-}  // namespace slidedp::hostd
+}  // namespace slidedp

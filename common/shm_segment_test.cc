@@ -1,17 +1,22 @@
-#include "hostd/shm_segment.h"
+#include "common/shm_segment.h"
 
 #include <sys/stat.h>
+#include <unistd.h>
 
+#include <atomic>
 #include <cstring>
 
+#include "absl/strings/str_cat.h"
 #include "common/thread_pool.h"
 #include "gtest/gtest.h"
-#include "hostd/test_util.h"
 
-namespace slidedp::hostd {
+namespace slidedp {
 namespace {
 
-using testing::UniqueInstance;
+std::string UniqueInstance(const std::string& tag) {
+  static std::atomic<int> counter{0};
+  return absl::StrCat("t", getpid(), "-", tag, "-", counter.fetch_add(1));
+}
 
 TEST(ShmSegmentTest, CreateMapsExactSizeWithMode) {
   const std::string name = "slidedp." + UniqueInstance("seg");
@@ -106,4 +111,4 @@ TEST(ShmSegmentTest, HostMemoryInfoIsPlausible) {
 }
 
 }  // namespace
-}  // namespace slidedp::hostd
+}  // namespace slidedp

@@ -1,0 +1,419 @@
+#include "rankclient/rank_client.h"
+
+#include <grpcpp/grpcpp.h>
+#include <linux/futex.h>
+#include <signal.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
+#include "common/version.h"
+#include "slidedp/v1/control.grpc.pb.h"
+
+namespace slidedp::rankclient {
+namespace v1 = slidedp::v1;
+using Clock = std::chrono::steady_clock;
+
+namespace {
+
+absl::Status FromGrpc(const grpc::Status& s, absl::string_view rpc) {
+  if (s.ok()) return absl::OkStatus();
+  return absl::Status(static_cast<absl::StatusCode>(s.error_code()),
+                      absl::StrCat(rpc, ": ", s.error_message()));
+}
+
+void FutexWait(uint32_t* word, uint32_t expected, std::chrono::nanoseconds left) {
+  left = std::min<std::chrono::nanoseconds>(left, std::chrono::milliseconds(100));
+  timespec ts{static_cast<time_t>(left.count() / 1000000000),
+              static_cast<long>(left.count() % 1000000000)};
+  syscall(SYS_futex, word, FUTEX_WAIT, expected, &ts, nullptr, 0);
+}
+
+void FutexWakeAll(uint32_t* word) {
+  syscall(SYS_futex, word, FUTEX_WAKE, INT32_MAX, nullptr, nullptr, 0);
+}
+
+size_t DTypeBytes(int dtype) { return dtype == 1 ? 4 : 2; }
+
+}  // namespace
+
+// The session stream: opened after attach, heartbeats from one thread, events read on another.
+struct RankClient::Session {
+  std::shared_ptr<grpc::Channel> channel;
+  std::unique_ptr<v1::Control::Stub> stub;
+  grpc::ClientContext ctx;
+  std::unique_ptr<grpc::ClientReaderWriter<v1::SessionClientMessage, v1::SessionEvent>> stream;
+  std::atomic<bool> lost{false};
+  std::atomic<bool> stop{false};
+  std::atomic<uint64_t> step{0};
+  uint64_t heartbeat_ms = 500;
+  std::thread reader;
+  std::thread heartbeat;
+
+  ~Session() {
+    stop = true;
+    ctx.TryCancel();
+    if (heartbeat.joinable()) heartbeat.join();
+    if (reader.joinable()) reader.join();
+  }
+};
+
+RankClient::RankClient(Options options) : options_(std::move(options)) {}
+
+absl::StatusOr<std::unique_ptr<RankClient>> RankClient::Attach(const Options& options) {
+  std::unique_ptr<RankClient> c(new RankClient(options));
+  RETURN_IF_ERROR(c->Init());
+  return c;
+}
+
+absl::StatusOr<v1::JobSpec> RankClient::CreateJob(const std::string& socket,
+                                                  const v1::JobSpec& spec,
+                                                  std::chrono::milliseconds timeout) {
+  auto channel = grpc::CreateChannel(absl::StartsWith(socket, "unix:") ? socket : "unix:" + socket,
+                                     grpc::InsecureChannelCredentials());
+  auto stub = v1::Control::NewStub(channel);
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + timeout);
+  v1::CreateJobRequest req;
+  *req.mutable_spec() = spec;
+  v1::CreateJobResponse resp;
+  RETURN_IF_ERROR(FromGrpc(stub->CreateJob(&ctx, req, &resp), "CreateJob"));
+  return resp.spec();
+}
+
+absl::Status RankClient::Init() {
+  if (const char* fp = std::getenv("SLIDEDP_FAILPOINT"); fp != nullptr && *fp != '\0') {
+    std::string spec(fp);
+    const size_t colon = spec.find(':');
+    failpoint_ = spec.substr(0, colon);
+    failpoint_at_ =
+        colon == std::string::npos ? 1 : std::strtoull(spec.c_str() + colon + 1, nullptr, 10);
+  }
+  session_ = std::make_unique<Session>();
+  std::string target;
+  if (!options_.tcp.empty()) {
+    target = options_.tcp;
+  } else {
+    target =
+        absl::StartsWith(options_.socket, "unix:") ? options_.socket : "unix:" + options_.socket;
+  }
+  session_->channel = grpc::CreateChannel(target, grpc::InsecureChannelCredentials());
+  session_->stub = v1::Control::NewStub(session_->channel);
+  auto deadline = [&] {
+    return std::chrono::system_clock::now() + std::chrono::milliseconds(options_.timeout_ms);
+  };
+  {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(deadline());
+    ctx.set_wait_for_ready(false);
+    v1::HandshakeRequest req;
+    auto* b = req.mutable_client();
+    b->set_version(kVersion);
+    b->set_git_revision(kGitRevision);
+    b->set_protocol_version(kProtocolVersion);
+    b->set_shm_abi_version(kShmAbiVersion);
+    b->set_component("rankclient");
+    v1::HandshakeResponse resp;
+    RETURN_IF_ERROR(FromGrpc(session_->stub->Handshake(&ctx, req, &resp), "Handshake"));
+  }
+  v1::AttachRankResponse attach;
+  {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(deadline());
+    v1::AttachRankRequest req;
+    req.set_job_id(options_.job_id);
+    req.set_rank(options_.rank);
+    req.set_manifest_hash(options_.manifest_hash);
+    req.set_pid(getpid());
+    char host[256] = {0};
+    gethostname(host, sizeof(host) - 1);
+    req.set_hostname(host);
+    req.set_gpu(options_.gpu);
+    RETURN_IF_ERROR(FromGrpc(session_->stub->AttachRank(&ctx, req, &attach), "AttachRank"));
+  }
+  layout_ = attach.layout();
+  token_ = attach.attach_token();
+  job_id_ = options_.job_id;
+  grad_dtype_ = layout_.grad_dtype() == v1::DTYPE_FP32 ? 1 : 2;
+  pushing_rank_ = layout_.grad_route() == v1::GRAD_ROUTE_CPU_REDUCTION ||
+                  options_.rank == layout_.grad_pushing_rank();
+  pushed_.assign(layout_.layers_size(), false);
+
+  // Map the segments and check every header against the layout.
+  uint64_t hash = 0;
+  try {
+    hash = std::stoull(layout_.manifest_hash(), nullptr, 16);
+  } catch (...) {
+    return absl::InternalError("hostd sent a malformed manifest_hash: " + layout_.manifest_hash());
+  }
+  for (const v1::SegmentInfo& seg : layout_.segments()) {
+    const bool writable = seg.kind() != v1::SEGMENT_KIND_PARAMS;
+    ASSIGN_OR_RETURN(ShmSegment m, ShmSegment::Open(seg.name(), writable));
+    const auto* h = m.at<shm::SegmentHeader>(0);
+    if (m.size_bytes() < sizeof(shm::SegmentHeader) ||
+        shm::Atomic(const_cast<uint64_t&>(h->ready)).load(std::memory_order_acquire) != 1) {
+      return absl::FailedPreconditionError(absl::StrCat("segment ", seg.name(), " is not ready"));
+    }
+    if (const char* bad = shm::ValidateHeader(*h, static_cast<shm::SegmentKind>(seg.kind()),
+                                              seg.size_bytes(), hash)) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("segment ", seg.name(), ": header field '", bad,
+                       "' does not match the layout hostd sent (stale or foreign segment?)"));
+    }
+    switch (seg.kind()) {
+      case v1::SEGMENT_KIND_CONTROL:
+        control_ = std::move(m);
+        break;
+      case v1::SEGMENT_KIND_PARAMS:
+        params_ = std::move(m);
+        break;
+      case v1::SEGMENT_KIND_GRADS:
+        grads_ = std::move(m);
+        break;
+      default:
+        break;
+    }
+  }
+  if (control_.data() == nullptr || params_.data() == nullptr || grads_.data() == nullptr) {
+    return absl::FailedPreconditionError(
+        "hostd's layout lacks the control, params or grads segment");
+  }
+  cb_ = control_.at<shm::ControlBlock>(shm::kControlBlockOffset);
+
+  // The session stream: liveness for hostd, events for us.
+  Session* s = session_.get();
+  s->stream = s->stub->Session(&s->ctx);
+  v1::SessionClientMessage open;
+  open.mutable_open()->set_job_id(options_.job_id);
+  open.mutable_open()->set_rank(options_.rank);
+  open.mutable_open()->set_attach_token(token_);
+  v1::SessionEvent first;
+  if (!s->stream->Write(open) || !s->stream->Read(&first) || !first.has_opened()) {
+    return FromGrpc(s->stream->Finish(), "Session");
+  }
+  s->heartbeat_ms = std::max<uint64_t>(10, first.opened().heartbeat_interval_ms());
+  s->reader = std::thread([s] {
+    v1::SessionEvent ev;
+    while (s->stream->Read(&ev)) {
+      if (ev.has_shutting_down()) s->lost = true;
+    }
+    s->lost = true;
+  });
+  s->heartbeat = std::thread([s] {
+    while (!s->stop) {
+      v1::SessionClientMessage hb;
+      hb.mutable_heartbeat()->set_step(s->step.load());
+      if (!s->stream->Write(hb)) break;
+      for (uint64_t t = 0; t < s->heartbeat_ms && !s->stop; t += 10) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(10));
+      }
+    }
+  });
+  return absl::OkStatus();
+}
+
+RankClient::~RankClient() { Detach().IgnoreError(); }
+
+uint64_t RankClient::layer_numel(uint32_t layer) const {
+  return layer < num_layers() ? layout_.layers(static_cast<int>(layer)).numel() : 0;
+}
+
+absl::Status RankClient::CheckLive() const {
+  if (detached_) return absl::FailedPreconditionError("rank is detached");
+  if (shm::Atomic(cb_->shutting_down).load(std::memory_order_acquire) != 0 ||
+      session_->lost.load()) {
+    return absl::UnavailableError("hostd is gone or shutting down");
+  }
+  if (step_ != 0 && shm::Atomic(cb_->abort_epoch).load(std::memory_order_acquire) != abort_epoch_) {
+    return absl::AbortedError(absl::StrCat("step ", step_, " was aborted by hostd"));
+  }
+  return absl::OkStatus();
+}
+
+template <typename Ready>
+absl::Status RankClient::WaitOn(uint32_t* word, Ready ready, Clock::time_point deadline,
+                                const char* what) {
+  for (;;) {
+    const uint32_t seen = shm::Atomic(*word).load(std::memory_order_acquire);
+    if (ready()) return absl::OkStatus();
+    RETURN_IF_ERROR(CheckLive());
+    const auto now = Clock::now();
+    if (now >= deadline) return absl::DeadlineExceededError(absl::StrCat("timed out ", what));
+    FutexWait(word, seen, deadline - now);
+  }
+}
+
+absl::Status RankClient::BeginStep(uint64_t step, std::chrono::milliseconds timeout) {
+  if (detached_) return absl::FailedPreconditionError("rank is detached");
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + timeout);
+  v1::BeginStepRequest req;
+  req.set_job_id(job_id_);
+  req.set_rank(options_.rank);
+  req.set_step(step);
+  v1::BeginStepResponse resp;
+  // The epoch is read before the RPC: an abort of this step after hostd accepted it is seen.
+  const uint64_t epoch = shm::Atomic(cb_->abort_epoch).load(std::memory_order_acquire);
+  RETURN_IF_ERROR(FromGrpc(session_->stub->BeginStep(&ctx, req, &resp), "BeginStep"));
+  step_ = step;
+  abort_epoch_ = epoch;
+  seq_ = 0;
+  std::fill(pushed_.begin(), pushed_.end(), false);
+  session_->step = step;
+  return absl::OkStatus();
+}
+
+absl::Status RankClient::WaitLayer(uint32_t layer, uint64_t version,
+                                   std::chrono::milliseconds timeout) {
+  if (layer >= num_layers()) {
+    return absl::NotFoundError(
+        absl::StrCat("layer: ", layer, " does not exist; the model has ", num_layers(), " layers"));
+  }
+  auto* lc = control_.at<shm::LayerControl>(
+      layout_.layers(static_cast<int>(layer)).control_offset_bytes());
+  return WaitOn(
+      &lc->wake_seq,
+      [&] { return shm::Atomic(lc->committed_version).load(std::memory_order_acquire) >= version; },
+      Clock::now() + timeout, "waiting for a layer version");
+}
+
+absl::StatusOr<uint64_t> RankClient::FetchParams(uint32_t layer, uint64_t version, void* dst,
+                                                 size_t dst_bytes,
+                                                 std::chrono::milliseconds timeout) {
+  if (layer >= num_layers()) {
+    return absl::NotFoundError(
+        absl::StrCat("layer: ", layer, " does not exist; the model has ", num_layers(), " layers"));
+  }
+  const v1::LayerLayout& ll = layout_.layers(static_cast<int>(layer));
+  if (dst == nullptr || dst_bytes != ll.param_bytes()) {
+    return absl::InvalidArgumentError(absl::StrCat("dst_bytes: layer ", layer, " has ",
+                                                   ll.param_bytes(),
+                                                   " bytes of BF16 parameters, got ", dst_bytes));
+  }
+  if (step_ == 0 || version + 1 > step_) {
+    return absl::OutOfRangeError(absl::StrCat("version: ", version, " cannot come in step ", step_,
+                                              "; expected at most ", step_ == 0 ? 0 : step_ - 1,
+                                              " (begin the step first)"));
+  }
+  RETURN_IF_ERROR(WaitLayer(layer, version, timeout));
+  auto* lc = control_.at<shm::LayerControl>(ll.control_offset_bytes());
+  const uint64_t before = shm::Atomic(lc->committed_version).load(std::memory_order_acquire);
+  if (before != version) {
+    return absl::OutOfRangeError(absl::StrCat("version: layer ", layer, " is at version ", before,
+                                              ", past the requested ", version));
+  }
+  ++fetches_;
+  if (failpoint_ == "fetch_kill" && fetches_ == failpoint_at_) {
+    std::memcpy(dst, params_.at<char>(ll.param_offset_bytes()), dst_bytes / 2);
+    raise(SIGKILL);
+  }
+  std::memcpy(dst, params_.at<char>(ll.param_offset_bytes()), dst_bytes);
+  std::atomic_thread_fence(std::memory_order_acquire);
+  const uint64_t after = shm::Atomic(lc->committed_version).load(std::memory_order_acquire);
+  const uint64_t pending = shm::Atomic(lc->pending_version).load(std::memory_order_acquire);
+  if (after != version || pending != version) {
+    RETURN_IF_ERROR(CheckLive());
+    return absl::InternalError(absl::StrCat("layer ", layer, " changed during the copy (version ",
+                                            version, " -> ", after, ", pending ", pending, ")"));
+  }
+  return version;
+}
+
+absl::Status RankClient::PushGrad(uint64_t step, uint32_t layer, const void* data, int dtype,
+                                  size_t bytes, std::chrono::milliseconds timeout) {
+  if (step_ == 0 || step != step_) {
+    return absl::OutOfRangeError(
+        absl::StrCat("step: ", step, " is not the current step (", step_, ")"));
+  }
+  if (layer >= num_layers()) {
+    return absl::NotFoundError(
+        absl::StrCat("layer: ", layer, " does not exist; the model has ", num_layers(), " layers"));
+  }
+  if (dtype != grad_dtype_) {
+    return absl::InvalidArgumentError(absl::StrCat("dtype: the job's gradients are ",
+                                                   grad_dtype_ == 1 ? "FP32 (1)" : "BF16 (2)",
+                                                   ", got ", dtype));
+  }
+  const uint64_t numel = layer_numel(layer);
+  const size_t elem = DTypeBytes(dtype);
+  if (data == nullptr || bytes != numel * elem) {
+    return absl::InvalidArgumentError(absl::StrCat("bytes: layer ", layer, " needs ", numel * elem,
+                                                   " bytes (", numel, " elements), got ", bytes));
+  }
+  if (pushed_[layer]) {
+    return absl::AlreadyExistsError(
+        absl::StrCat("layer ", layer, " was already pushed in step ", step));
+  }
+  RETURN_IF_ERROR(CheckLive());
+  pushed_[layer] = true;
+  if (!pushing_rank_) return absl::OkStatus();
+
+  const uint32_t slots = layout_.grad_ring_slots();
+  const uint64_t chunk_elems = layout_.chunk_bytes() / elem;
+  const auto deadline = Clock::now() + timeout;
+  const auto* src = static_cast<const char*>(data);
+  for (uint64_t off = 0; off < numel; off += chunk_elems) {
+    const uint64_t n = std::min(chunk_elems, numel - off);
+    if (failpoint_ == "push_stop" && chunks_pushed_ + 1 == failpoint_at_) raise(SIGSTOP);
+    const uint32_t slot = static_cast<uint32_t>(seq_ % slots);
+    const size_t index = shm::ChunkSlotIndex(options_.rank, slot, slots);
+    auto* cs = control_.at<shm::ChunkSlot>(shm::ChunkSlotsOffset(num_layers()) +
+                                           index * sizeof(shm::ChunkSlot));
+    RETURN_IF_ERROR(WaitOn(
+        &cs->wake_seq,
+        [&] { return shm::Atomic(cs->state).load(std::memory_order_acquire) == shm::kSlotEmpty; },
+        deadline, "waiting for a free gradient slot"));
+    std::memcpy(
+        grads_.at<char>(shm::GradSlotOffset(options_.rank, slot, slots, layout_.chunk_bytes())),
+        src + off * elem, n * elem);
+    cs->step = step;
+    cs->seq = seq_;
+    cs->offset_elements = off;
+    cs->numel = n;
+    cs->layer = layer;
+    cs->dtype = static_cast<uint32_t>(dtype);
+    shm::Atomic(cs->state).store(shm::kSlotFull, std::memory_order_release);
+    shm::Atomic(cb_->doorbell).fetch_add(1, std::memory_order_acq_rel);
+    FutexWakeAll(&cb_->doorbell);
+    ++seq_;
+    if (++chunks_pushed_ == failpoint_at_ && failpoint_ == "push_kill") raise(SIGKILL);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status RankClient::WaitStep(uint64_t step, std::chrono::milliseconds timeout) {
+  const auto deadline = Clock::now() + timeout;
+  for (uint32_t l = 0; l < num_layers(); ++l) {
+    const auto left =
+        std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
+    RETURN_IF_ERROR(WaitLayer(l, step, std::max(left, std::chrono::milliseconds(0))));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status RankClient::Detach() {
+  if (detached_) return absl::OkStatus();
+  detached_ = true;
+  absl::Status result;
+  if (session_ && session_->stub && !session_->lost.load()) {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+    v1::DetachRankRequest req;
+    req.set_job_id(job_id_);
+    req.set_rank(options_.rank);
+    req.set_attach_token(token_);
+    v1::DetachRankResponse resp;
+    result = FromGrpc(session_->stub->DetachRank(&ctx, req, &resp), "DetachRank");
+  }
+  session_.reset();
+  return result;
+}
+
+}  // namespace slidedp::rankclient

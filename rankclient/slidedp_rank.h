@@ -1,0 +1,81 @@
+/* slidedp_rank.h — the C ABI of rankclient, for python_client (ctypes) and any language with a
+ * C FFI. Versioned: SLIDEDP_RANK_ABI_VERSION changes on any incompatible change; check
+ * slidedp_rank_abi_version() at load time.
+ *
+ * Every function returns a status code: 0 OK, otherwise the gRPC/absl code (3 INVALID_ARGUMENT,
+ * 4 DEADLINE_EXCEEDED, 5 NOT_FOUND, 6 ALREADY_EXISTS, 9 FAILED_PRECONDITION, 10 ABORTED,
+ * 11 OUT_OF_RANGE, 13 INTERNAL, 14 UNAVAILABLE, ...). slidedp_rank_last_error() returns the
+ * message of the calling thread's last failure (valid until its next call). No function throws
+ * or aborts on bad input. A handle is used by one thread at a time.
+ *
+ * A training step on this ABI:
+ *   slidedp_rank_begin_step(h, t, ...);
+ *   for l in forward order:  slidedp_rank_fetch_params(h, l, t - 1, buf, bytes, ...); compute
+ *   for l in backward order: compute; slidedp_rank_push_grad(h, t, l, grad, dtype, bytes, ...)
+ *   slidedp_rank_wait_step(h, t, ...)   (before the next step's forward or before detaching)
+ */
+#ifndef SLIDEDP_RANKCLIENT_SLIDEDP_RANK_H_
+#define SLIDEDP_RANKCLIENT_SLIDEDP_RANK_H_
+
+#include <stddef.h>
+#include <stdint.h>
+
+#define SLIDEDP_RANK_ABI_VERSION 1
+#define SLIDEDP_RANK_EXPORT __attribute__((visibility("default")))
+#define SLIDEDP_DTYPE_FP32 1
+#define SLIDEDP_DTYPE_BF16 2
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct slidedp_rank slidedp_rank;
+
+typedef struct slidedp_rank_options {
+  uint32_t abi_version; /* SLIDEDP_RANK_ABI_VERSION */
+  const char* socket;   /* hostd's unix socket path */
+  const char* job_id;   /* NULL or "": hostd's job */
+  uint32_t rank;
+  const char* manifest_hash; /* 16 hex digits; see slidedp_manifest_hash_from_hf_config */
+  int32_t gpu;               /* -1: CPU backend */
+  uint32_t timeout_ms;       /* RPC timeout; 0: 30000 */
+} slidedp_rank_options;
+
+SLIDEDP_RANK_EXPORT int slidedp_rank_abi_version(void);
+SLIDEDP_RANK_EXPORT const char* slidedp_rank_last_error(void);
+
+/* The manifest hash hostd computes for an HF config.json text ("tiny" and "tiny-tied" name the
+ * built-ins). Writes 16 hex digits and a NUL into out (out_len >= 17). */
+SLIDEDP_RANK_EXPORT int slidedp_manifest_hash_from_hf_config(const char* config_json_or_builtin,
+                                                             char* out, size_t out_len);
+
+SLIDEDP_RANK_EXPORT int slidedp_rank_attach(const slidedp_rank_options* options,
+                                            slidedp_rank** out);
+/* Detaches and frees the handle (NULL is fine). */
+SLIDEDP_RANK_EXPORT int slidedp_rank_detach(slidedp_rank* h);
+
+SLIDEDP_RANK_EXPORT int slidedp_rank_num_layers(const slidedp_rank* h, uint32_t* out);
+SLIDEDP_RANK_EXPORT int slidedp_rank_world_size(const slidedp_rank* h, uint32_t* out);
+/* Elements of a layer and its BF16 parameter bytes. */
+SLIDEDP_RANK_EXPORT int slidedp_rank_layer_numel(const slidedp_rank* h, uint32_t layer,
+                                                 uint64_t* numel);
+/* The job's gradient dtype (SLIDEDP_DTYPE_*). */
+SLIDEDP_RANK_EXPORT int slidedp_rank_grad_dtype(const slidedp_rank* h, int* dtype);
+
+SLIDEDP_RANK_EXPORT int slidedp_rank_begin_step(slidedp_rank* h, uint64_t step,
+                                                uint32_t timeout_ms);
+/* Waits for `version` of `layer`, copies its BF16 parameters into dst (dst_bytes = numel * 2)
+ * and writes the version copied to *got_version (may be NULL). */
+SLIDEDP_RANK_EXPORT int slidedp_rank_fetch_params(slidedp_rank* h, uint32_t layer, uint64_t version,
+                                                  void* dst, size_t dst_bytes, uint32_t timeout_ms,
+                                                  uint64_t* got_version);
+SLIDEDP_RANK_EXPORT int slidedp_rank_push_grad(slidedp_rank* h, uint64_t step, uint32_t layer,
+                                               const void* grad, int dtype, size_t bytes,
+                                               uint32_t timeout_ms);
+SLIDEDP_RANK_EXPORT int slidedp_rank_wait_step(slidedp_rank* h, uint64_t step, uint32_t timeout_ms);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* SLIDEDP_RANKCLIENT_SLIDEDP_RANK_H_ */
