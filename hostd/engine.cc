@@ -29,6 +29,16 @@ constexpr uint32_t kGradRingSlots = 4;
 // GPU reduction routes: the rank that pushes the aggregated gradient.
 constexpr uint32_t kGradPushingRank = 0;
 
+// True when every layer has reached version `step`: the step's updates are all published and
+// only the update worker's completion callbacks (OnLayerDone) are left to close the step. A rank
+// sees the step done (WaitStep) at this point, so its detach or exit must not abort the step.
+bool AllLayersAt(const TrainingState& state, uint64_t step) {
+  for (uint32_t l = 0; l < state.num_layers(); ++l) {
+    if (state.committed_version(l) < step) return false;
+  }
+  return true;
+}
+
 uint64_t MonotonicNs() {
   timespec ts;
   clock_gettime(CLOCK_MONOTONIC, &ts);
@@ -410,8 +420,9 @@ absl::Status Engine::DetachRank(const slidedp::v1::DetachRankRequest& r) {
     return absl::PermissionDeniedError(
         absl::StrCat("attach_token: does not match the token issued to rank ", r.rank()));
   }
-  if (running_step_ != 0)
+  if (running_step_ != 0 && !AllLayersAt(*state_, running_step_)) {
     AbortStepLocked(running_step_, absl::StrCat("rank ", r.rank(), " detached"));
+  }
   e = RankEntry{};
   shm::Atomic(state_->rank_slot(r.rank()).attached).store(0, std::memory_order_release);
   return absl::OkStatus();
@@ -434,8 +445,12 @@ absl::StatusOr<slidedp::v1::BeginStepResponse> Engine::BeginStep(
   if (running_step_ != 0 && r.step() == running_step_ + 1) {
     // The previous step's last updates are still running: wait for them (bounded), so a fast
     // rank may call BeginStep as soon as it has pushed its last gradient.
-    auto done = [this]()
-                    ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return running_step_ == 0 || !serving_; };
+    // Done when the previous step is no longer the running one: another rank's BeginStep may
+    // start this step before this waiter re-checks, so running_step_ == 0 may never be seen.
+    const uint64_t previous = running_step_;
+    auto done = [this, previous]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+      return running_step_ != previous || !serving_;
+    };
     mu_.AwaitWithTimeout(absl::Condition(&done), absl::Seconds(60));
     RETURN_IF_ERROR(CheckServing());
   }
@@ -645,6 +660,7 @@ std::vector<slidedp::v1::RankStatus> Engine::RankStatuses() const {
     s.set_hostname(e.hostname);
     s.set_gpu(e.gpu);
     s.set_connected(e.connected);
+    s.set_attached(e.attached);
     s.set_last_step(e.last_step);
     if (e.attached) {
       s.set_ms_since_heartbeat(static_cast<uint64_t>(
@@ -851,7 +867,7 @@ void Engine::SessionClosed(uint32_t rank, absl::string_view reason) {
   absl::MutexLock lock(&mu_);
   if (rank >= ranks_.size() || !ranks_[rank].attached) return;
   spdlog::warn("rank {} session closed: {}", rank, std::string(reason));
-  if (running_step_ != 0 && serving_) {
+  if (running_step_ != 0 && serving_ && !AllLayersAt(*state_, running_step_)) {
     AbortStepLocked(running_step_, absl::StrCat("rank ", rank, " lost: ", reason));
   }
   ranks_[rank] = RankEntry{};

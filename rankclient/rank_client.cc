@@ -242,8 +242,9 @@ absl::Status RankClient::WaitOn(uint32_t* word, Ready ready, Clock::time_point d
                                 const char* what) {
   for (;;) {
     const uint32_t seen = shm::Atomic(*word).load(std::memory_order_acquire);
-    if (ready()) return absl::OkStatus();
+    // Liveness first: after an abort, versions are sealed and would otherwise look "ready".
     RETURN_IF_ERROR(CheckLive());
+    if (ready()) return absl::OkStatus();
     const auto now = Clock::now();
     if (now >= deadline) return absl::DeadlineExceededError(absl::StrCat("timed out ", what));
     FutexWait(word, seen, deadline - now);

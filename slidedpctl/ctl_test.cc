@@ -164,7 +164,7 @@ TEST_F(CtlTest, StatusHumanPrintsSummaryAndLayerTable) {
   EXPECT_THAT(r.out, HasSubstr("hostd 0.1.0 (git abc1234, protocol 1, shm abi 1)"));
   EXPECT_THAT(r.out, HasSubstr("job-7: tiny-llama (llama), world size 2, step 42 (idle)"));
   EXPECT_THAT(r.out, HasSubstr("1h02m03s"));
-  EXPECT_THAT(r.out, HasSubstr("2 attached, 1 connected"));
+  EXPECT_THAT(r.out, HasSubstr("2 of 2 attached, 1 connected"));
   EXPECT_THAT(r.out, HasSubstr("11.7 GiB in 1 segment, 11.7 GiB locked"));
   EXPECT_THAT(r.out, HasSubstr("LAYER  NAME"));
   EXPECT_THAT(r.out, HasSubstr("model.embed_tokens"));

@@ -35,6 +35,7 @@ v1::RankStatus Rank(uint32_t index, int32_t pid, int32_t gpu, bool connected, ui
   rank.set_hostname("node-a");
   rank.set_gpu(gpu);
   rank.set_connected(connected);
+  rank.set_attached(true);
   rank.set_last_step(last_step);
   rank.set_ms_since_heartbeat(ms_since_heartbeat);
   return rank;

@@ -207,10 +207,13 @@ void PrintStatus(const v1::GetStatusResponse& status, std::ostream& out) {
                                       Counted(status.segments_size(), "segment"), ", ",
                                       FormatBytes(status.locked_bytes()), " locked")});
   summary.AddRow({"topology", DescribeTopology(status.topology())});
-  int connected = 0;
-  for (const v1::RankStatus& rank : status.ranks()) connected += rank.connected() ? 1 : 0;
-  summary.AddRow(
-      {"ranks", absl::StrFormat("%d attached, %d connected", status.ranks_size(), connected)});
+  int connected = 0, attached = 0;
+  for (const v1::RankStatus& rank : status.ranks()) {
+    connected += rank.connected() ? 1 : 0;
+    attached += rank.attached() ? 1 : 0;
+  }
+  summary.AddRow({"ranks", absl::StrFormat("%d of %d attached, %d connected", attached,
+                                           status.ranks_size(), connected)});
   summary.Print(out);
   out << '\n';
   if (status.layers().empty()) {

@@ -1,0 +1,195 @@
+#!/usr/bin/env python3
+"""rankclient's C ABI from Python through ctypes (standard library only), against a real hostd.
+
+Usage: rank_ctypes_test.py HOSTD SLIDEDPCTL LIBSLIDEDP_RANK.so
+
+Completes a training step on the built-in tiny model and checks that every bad input through the
+ABI (unknown layer, wrong byte size, wrong dtype, a second push of a chunk's layer, a push for a
+past or future step, the fetch of a version that cannot come, a wrong manifest hash) returns its
+specific status code and leaves hostd's state untouched (per-layer checksums before and after).
+"""
+import array
+import ctypes
+import json
+import os
+import random
+import signal
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+import unittest
+
+HOSTD = SLIDEDPCTL = LIBPATH = None
+
+OK, INVALID_ARGUMENT, NOT_FOUND, ALREADY_EXISTS = 0, 3, 5, 6
+FAILED_PRECONDITION, OUT_OF_RANGE = 9, 11
+FP32, BF16 = 1, 2
+
+
+class Options(ctypes.Structure):
+    _fields_ = [("abi_version", ctypes.c_uint32), ("socket", ctypes.c_char_p),
+                ("job_id", ctypes.c_char_p), ("rank", ctypes.c_uint32),
+                ("manifest_hash", ctypes.c_char_p), ("gpu", ctypes.c_int32),
+                ("timeout_ms", ctypes.c_uint32)]
+
+
+def load():
+    lib = ctypes.CDLL(LIBPATH)
+    lib.slidedp_rank_last_error.restype = ctypes.c_char_p
+    lib.slidedp_rank_attach.argtypes = [ctypes.POINTER(Options), ctypes.POINTER(ctypes.c_void_p)]
+    lib.slidedp_rank_detach.argtypes = [ctypes.c_void_p]
+    for name in ("num_layers", "world_size"):
+        getattr(lib, f"slidedp_rank_{name}").argtypes = [ctypes.c_void_p,
+                                                        ctypes.POINTER(ctypes.c_uint32)]
+    lib.slidedp_rank_layer_numel.argtypes = [ctypes.c_void_p, ctypes.c_uint32,
+                                             ctypes.POINTER(ctypes.c_uint64)]
+    lib.slidedp_rank_grad_dtype.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_int)]
+    lib.slidedp_rank_begin_step.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32]
+    lib.slidedp_rank_fetch_params.argtypes = [
+        ctypes.c_void_p, ctypes.c_uint32, ctypes.c_uint64, ctypes.c_void_p, ctypes.c_size_t,
+        ctypes.c_uint32, ctypes.POINTER(ctypes.c_uint64)]
+    lib.slidedp_rank_push_grad.argtypes = [
+        ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_void_p, ctypes.c_int,
+        ctypes.c_size_t, ctypes.c_uint32]
+    lib.slidedp_rank_wait_step.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32]
+    lib.slidedp_manifest_hash_from_hf_config.argtypes = [ctypes.c_char_p, ctypes.c_char_p,
+                                                         ctypes.c_size_t]
+    return lib
+
+
+def bf16(x):
+    bits = struct.unpack("<I", struct.pack("<f", x))[0]
+    return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) & 0xFFFF
+
+
+class RankCtypesTest(unittest.TestCase):
+    def setUp(self):
+        self.lib = load()
+        self.tmp = tempfile.mkdtemp(prefix="slidedp-ctypes-")
+        self.sock = os.path.join(self.tmp, "hostd.sock")
+        self.instance = f"ct{os.getpid()}"
+        self.log = open(os.path.join(self.tmp, "hostd.log"), "w+")
+        self.hostd = subprocess.Popen(
+            [HOSTD, "--model", "tiny", "--socket", self.sock, "--instance", self.instance,
+             "--chunk_bytes", "4096", "--mlock", "best_effort", "--update_threads", "1"],
+            stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.time() + 60
+        while not os.path.exists(self.sock):
+            self.assertIsNone(self.hostd.poll(), "hostd exited early")
+            self.assertLess(time.time(), deadline, "hostd did not start")
+            time.sleep(0.05)
+
+    def tearDown(self):
+        self.hostd.send_signal(signal.SIGTERM)
+        self.hostd.wait(timeout=30)
+        self.log.close()
+        left = [n for n in os.listdir("/dev/shm") if n.startswith(f"slidedp.{self.instance}.")]
+        self.assertEqual(left, [])
+
+    def layers(self):
+        out = subprocess.run([SLIDEDPCTL, "--socket", self.sock, "layers", "--json",
+                              "--checksums"], capture_output=True, text=True, check=True).stdout
+        return {l["layer"]: (l["version"], l["checksum"]) for l in json.loads(out)}
+
+    def expect(self, code, rc, needle=None):
+        msg = self.lib.slidedp_rank_last_error().decode()
+        self.assertEqual(rc, code, msg)
+        if needle:
+            self.assertIn(needle, msg)
+
+    def attach(self, manifest_hash):
+        opts = Options(1, self.sock.encode(), None, 0, manifest_hash, -1, 10000)
+        h = ctypes.c_void_p()
+        return self.lib.slidedp_rank_attach(ctypes.byref(opts), ctypes.byref(h)), h
+
+    def test_step_and_bad_input(self):
+        lib = self.lib
+        self.assertEqual(lib.slidedp_rank_abi_version(), 1)
+        buf = ctypes.create_string_buffer(17)
+        self.assertEqual(lib.slidedp_manifest_hash_from_hf_config(b"tiny", buf, 17), OK)
+        good_hash = buf.value
+
+        rc, _ = self.attach(b"0123456789abcdef")
+        self.expect(FAILED_PRECONDITION, rc, "manifest_hash")
+        opts = Options(7, self.sock.encode(), None, 0, good_hash, -1, 10000)
+        h = ctypes.c_void_p()
+        self.expect(FAILED_PRECONDITION, lib.slidedp_rank_attach(ctypes.byref(opts),
+                                                                  ctypes.byref(h)), "abi_version")
+        rc, h = self.attach(good_hash)
+        self.expect(OK, rc)
+        n = ctypes.c_uint32()
+        self.assertEqual(lib.slidedp_rank_num_layers(h, ctypes.byref(n)), OK)
+        self.assertEqual(n.value, 7)
+        dtype = ctypes.c_int()
+        lib.slidedp_rank_grad_dtype(h, ctypes.byref(dtype))
+        self.assertEqual(dtype.value, BF16)
+        numel = []
+        for l in range(n.value):
+            v = ctypes.c_uint64()
+            self.assertEqual(lib.slidedp_rank_layer_numel(h, l, ctypes.byref(v)), OK)
+            numel.append(v.value)
+        self.expect(NOT_FOUND, lib.slidedp_rank_layer_numel(h, 7, ctypes.byref(ctypes.c_uint64())))
+
+        before = self.layers()
+        params = [ctypes.create_string_buffer(2 * k) for k in numel]
+        got = ctypes.c_uint64()
+        # Before the step begins nothing can be fetched or pushed.
+        self.expect(OUT_OF_RANGE, lib.slidedp_rank_fetch_params(h, 0, 0, params[0], 2 * numel[0],
+                                                                1000, ctypes.byref(got)))
+        self.assertEqual(lib.slidedp_rank_begin_step(h, 1, 10000), OK)
+        self.expect(OUT_OF_RANGE, lib.slidedp_rank_begin_step(h, 3, 1000), "step")
+        for l in range(n.value):
+            self.expect(OK, lib.slidedp_rank_fetch_params(h, l, 0, params[l], 2 * numel[l], 10000,
+                                                          ctypes.byref(got)))
+            self.assertEqual(got.value, 0)
+        self.expect(NOT_FOUND, lib.slidedp_rank_fetch_params(h, 9, 0, params[0], 2 * numel[0],
+                                                             1000, None), "layer")
+        self.expect(INVALID_ARGUMENT, lib.slidedp_rank_fetch_params(h, 0, 0, params[0],
+                                                                    2 * numel[0] - 2, 1000, None),
+                    "dst_bytes")
+        self.expect(OUT_OF_RANGE, lib.slidedp_rank_fetch_params(h, 0, 1, params[0], 2 * numel[0],
+                                                                1000, None), "cannot come")
+
+        rng = random.Random(5)
+        grads = [array.array("H", (bf16(rng.gauss(0, 1e-2)) for _ in range(k))) for k in numel]
+        ptr = lambda a: a.buffer_info()[0]
+        last = n.value - 1
+        g = grads[last]
+        self.expect(INVALID_ARGUMENT, lib.slidedp_rank_push_grad(h, 1, last, ptr(g), FP32,
+                                                                 2 * len(g), 1000), "dtype")
+        self.expect(INVALID_ARGUMENT, lib.slidedp_rank_push_grad(h, 1, last, ptr(g), BF16,
+                                                                 2 * len(g) + 2, 1000), "bytes")
+        self.expect(NOT_FOUND, lib.slidedp_rank_push_grad(h, 1, 42, ptr(g), BF16, 2 * len(g),
+                                                          1000), "layer")
+        self.expect(OUT_OF_RANGE, lib.slidedp_rank_push_grad(h, 2, last, ptr(g), BF16, 2 * len(g),
+                                                             1000), "step")
+        self.expect(OUT_OF_RANGE, lib.slidedp_rank_push_grad(h, 0, last, ptr(g), BF16, 2 * len(g),
+                                                             1000), "step")
+        self.assertEqual(self.layers(), before, "bad input changed the state")
+
+        for l in reversed(range(n.value)):
+            g = grads[l]
+            self.expect(OK, lib.slidedp_rank_push_grad(h, 1, l, ptr(g), BF16, 2 * len(g), 10000))
+        g = grads[0]
+        self.expect(ALREADY_EXISTS, lib.slidedp_rank_push_grad(h, 1, 0, ptr(g), BF16, 2 * len(g),
+                                                               1000))
+        self.expect(OK, lib.slidedp_rank_wait_step(h, 1, 10000))
+        after = self.layers()
+        for l in range(n.value):
+            self.assertEqual(after[l][0], 1)
+            self.assertNotEqual(after[l][1], before[l][1], f"layer {l} was not updated")
+        # Step 2 sees version 1.
+        self.expect(OK, lib.slidedp_rank_begin_step(h, 2, 10000))
+        self.expect(OK, lib.slidedp_rank_fetch_params(h, 0, 1, params[0], 2 * numel[0], 10000,
+                                                      ctypes.byref(got)))
+        self.assertEqual(got.value, 1)
+        self.expect(OUT_OF_RANGE, lib.slidedp_rank_fetch_params(h, 0, 0, params[0], 2 * numel[0],
+                                                                1000, None), "past")
+        self.expect(OK, lib.slidedp_rank_detach(h))
+
+
+if __name__ == "__main__":
+    HOSTD, SLIDEDPCTL, LIBPATH = sys.argv[1:4]
+    unittest.main(argv=sys.argv[:1], verbosity=2)
