@@ -14,6 +14,7 @@
 #include "hostd/service.h"
 #include "hostd/test_util.h"
 #include "kernels/cpu/bf16.h"
+#include "rankclient/rank_client.h"
 #include "slidedp/v1/control.grpc.pb.h"
 
 namespace slidedp::hostd {
@@ -367,6 +368,111 @@ TEST_F(EngineTest, SecondDaemonOnSameSocketOrInstanceIsRefused) {
   auto tcp = ControlServer::Start(engine_.get(), {"", "0.0.0.0:0", 0600});
   ASSERT_FALSE(tcp.ok());
   EXPECT_NE(tcp.status().message().find("loopback"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace slidedp::hostd
+
+namespace slidedp::hostd {
+namespace {
+
+// The GPU-reduction route's host side: only the designated rank pushes (the aggregated
+// gradient); the others' pushes only record the layer. The result equals the CPU route with the
+// same total gradient (rank 0: g, rank 1: zeros), bit for bit.
+class RouteTest : public ::testing::Test {
+ protected:
+  struct Run {
+    std::unique_ptr<Engine> engine;
+    std::unique_ptr<ControlServer> server;
+    std::filesystem::path dir;
+  };
+
+  Run Start(v1::GradRoute route) {
+    Run run;
+    run.dir = std::filesystem::temp_directory_path() / testing::UniqueInstance("route");
+    std::filesystem::create_directories(run.dir);
+    HostdConfig c;
+    c.instance = testing::UniqueInstance("route");
+    c.socket = (run.dir / "hostd.sock").string();
+    c.model = "none";
+    c.update_threads = 1;
+    c.mlock = "best_effort";
+    run.engine = std::move(*Engine::Create(c));
+    run.server = std::move(*ControlServer::Start(run.engine.get(), {c.socket, "", 0600}));
+    v1::JobSpec spec;
+    *spec.mutable_manifest() = testing::SmallModel().manifest;
+    spec.set_world_size(2);
+    spec.set_seed(9);
+    spec.mutable_optimizer()->set_lr(1e-3);
+    spec.mutable_optimizer()->set_grad_dtype(v1::DTYPE_FP32);
+    spec.mutable_optimizer()->set_scale_by_world_size(true);
+    spec.mutable_routes()->set_grad_route(route);
+    spec.mutable_routes()->set_chunk_bytes(4096);
+    auto created = rankclient::RankClient::CreateJob(c.socket, spec, std::chrono::seconds(10));
+    EXPECT_TRUE(created.ok()) << created.status();
+    return run;
+  }
+
+  void Train(Run& run, bool zeros_from_rank1) {
+    std::vector<std::unique_ptr<rankclient::RankClient>> ranks;
+    for (uint32_t r = 0; r < 2; ++r) {
+      rankclient::RankClient::Options o;
+      o.socket = (run.dir / "hostd.sock").string();
+      o.rank = r;
+      o.manifest_hash = ManifestHashHex(ManifestHash(testing::SmallModel().manifest));
+      auto c = rankclient::RankClient::Attach(o);
+      ASSERT_TRUE(c.ok()) << c.status();
+      ranks.push_back(std::move(*c));
+    }
+    // Each rank on its own thread, as separate processes would run: on the CPU route a rank's
+    // ring fills until every rank has pushed the same chunk.
+    const auto timeout = std::chrono::seconds(10);
+    std::vector<std::thread> threads;
+    for (uint32_t r = 0; r < 2; ++r) {
+      threads.emplace_back([&, r] {
+        rankclient::RankClient& c = *ranks[r];
+        for (uint64_t step = 1; step <= 3; ++step) {
+          ASSERT_TRUE(c.BeginStep(step, timeout).ok());
+          for (uint32_t l = 2; l-- > 0;) {
+            const uint64_t n = c.layer_numel(l);
+            std::vector<float> g(n);
+            for (uint64_t i = 0; i < n; ++i) {
+              g[i] = (r == 1 && zeros_from_rank1) ? 0.0f
+                                                  : 1e-3f * static_cast<float>((i * 7 + step) % 13);
+            }
+            ASSERT_TRUE(c.PushGrad(step, l, g.data(), 1, n * 4, timeout).ok());
+          }
+          ASSERT_TRUE(c.WaitStep(step, timeout).ok());
+        }
+      });
+    }
+    for (auto& t : threads) t.join();
+    for (auto& r : ranks) ASSERT_TRUE(r->Detach().ok());
+  }
+
+  void Stop(Run& run) {
+    run.server.reset();
+    run.engine->Shutdown(/*remove_state=*/true);
+    run.engine.reset();
+    std::filesystem::remove_all(run.dir);
+  }
+};
+
+TEST_F(RouteTest, GpuReductionHostSideEqualsCpuReductionOfTheSameSum) {
+  Run gpu = Start(v1::GRAD_ROUTE_GPU_REDUCTION);
+  Train(gpu, /*zeros_from_rank1=*/false);  // rank 1's data is ignored on this route
+  Run cpu = Start(v1::GRAD_ROUTE_CPU_REDUCTION);
+  Train(cpu, /*zeros_from_rank1=*/true);
+  for (uint32_t l = 0; l < 2; ++l) {
+    EXPECT_EQ(gpu.engine->state()->committed_version(l), 3u);
+    EXPECT_EQ(gpu.engine->state()->LayerChecksum(l), cpu.engine->state()->LayerChecksum(l))
+        << "layer " << l;
+  }
+  // Only rank 0's ring carried chunks on the GPU route.
+  EXPECT_EQ(gpu.engine->reducer()->stats().bytes_reduced * 2,
+            cpu.engine->reducer()->stats().bytes_reduced);
+  Stop(gpu);
+  Stop(cpu);
 }
 
 }  // namespace
