@@ -5,6 +5,7 @@
 
 #include <grpcpp/grpcpp.h>
 
+#include <barrier>
 #include <filesystem>
 #include <random>
 #include <thread>
@@ -287,9 +288,15 @@ TEST_F(EngineTest, StepThroughTheWorkerCompletesAndUpdatesStats) {
     ASSERT_TRUE(engine_->WaitLayerVersion(l, 1, std::chrono::seconds(10)).ok());
   }
   EXPECT_NE(s->Checksum(), before);
-  grpc::ClientContext ctx;
+  // The last version is published just before the worker reports the layer done and the step
+  // closes: poll briefly for the step's bookkeeping.
   v1::GetStatsResponse stats;
-  ASSERT_TRUE(stub_->GetStats(&ctx, v1::GetStatsRequest(), &stats).ok());
+  for (int i = 0; i < 500; ++i) {
+    grpc::ClientContext ctx;
+    ASSERT_TRUE(stub_->GetStats(&ctx, v1::GetStatsRequest(), &stats).ok());
+    if (stats.steps_completed() == 1) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
   EXPECT_EQ(stats.layer_updates(), s->num_layers());
   EXPECT_EQ(stats.update_params_total(), s->total_params());
   EXPECT_EQ(stats.steps_completed(), 1u);
@@ -427,12 +434,17 @@ class RouteTest : public ::testing::Test {
     // Each rank on its own thread, as separate processes would run: on the CPU route a rank's
     // ring fills until every rank has pushed the same chunk.
     const auto timeout = std::chrono::seconds(10);
+    // On the GPU route the collectives keep ranks in lockstep (no rank reduces a layer before
+    // every rank is in the step); a barrier after BeginStep stands in for them.
+    std::barrier sync(2);
     std::vector<std::thread> threads;
     for (uint32_t r = 0; r < 2; ++r) {
       threads.emplace_back([&, r] {
         rankclient::RankClient& c = *ranks[r];
         for (uint64_t step = 1; step <= 3; ++step) {
-          ASSERT_TRUE(c.BeginStep(step, timeout).ok());
+          absl::Status begun = c.BeginStep(step, timeout);
+          ASSERT_TRUE(begun.ok()) << begun;
+          sync.arrive_and_wait();  // no gradient before every rank is in the step
           for (uint32_t l = 2; l-- > 0;) {
             const uint64_t n = c.layer_numel(l);
             std::vector<float> g(n);
@@ -442,7 +454,8 @@ class RouteTest : public ::testing::Test {
             }
             ASSERT_TRUE(c.PushGrad(step, l, g.data(), 1, n * 4, timeout).ok());
           }
-          ASSERT_TRUE(c.WaitStep(step, timeout).ok());
+          absl::Status waited = c.WaitStep(step, timeout);
+          ASSERT_TRUE(waited.ok()) << waited;
         }
       });
     }
