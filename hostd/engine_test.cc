@@ -342,6 +342,18 @@ TEST_F(EngineTest, SessionEndAbortsRunningStepAndSealsVersions) {
   v1::GetStatsResponse stats;
   ASSERT_TRUE(stub_->GetStats(&sctx2, v1::GetStatsRequest(), &stats).ok());
   EXPECT_EQ(stats.steps_aborted(), 1u);
+  // The job continues: step 2 runs on the sealed versions and completes.
+  std::vector<std::vector<uint16_t>> grads;
+  for (const LayerInfo& l : engine_->state()->layers()) grads.emplace_back(l.numel, 0x3c00);
+  for (uint32_t l = engine_->state()->num_layers(); l-- > 0;) {
+    ASSERT_TRUE(
+        engine_->SubmitGradient(l, 2, {grads[l].data(), kernels::GradType::kBf16, grads[l].size()})
+            .ok());
+  }
+  for (uint32_t l = 0; l < engine_->state()->num_layers(); ++l) {
+    ASSERT_TRUE(engine_->WaitLayerVersion(l, 2, std::chrono::seconds(5)).ok());
+  }
+  EXPECT_NE(engine_->state()->Checksum(), before);
 }
 
 TEST_F(EngineTest, NcclIdRendezvous) {

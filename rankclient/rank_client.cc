@@ -96,6 +96,7 @@ absl::Status RankClient::Init() {
     failpoint_at_ =
         colon == std::string::npos ? 1 : std::strtoull(spec.c_str() + colon + 1, nullptr, 10);
   }
+  backend_ = options_.backend ? options_.backend : std::shared_ptr<Backend>(MakeCpuBackend());
   session_ = std::make_unique<Session>();
   std::string target;
   if (!options_.tcp.empty()) {
@@ -315,7 +316,7 @@ absl::StatusOr<uint64_t> RankClient::FetchParams(uint32_t layer, uint64_t versio
     std::memcpy(dst, params_.at<char>(ll.param_offset_bytes()), dst_bytes / 2);
     raise(SIGKILL);
   }
-  std::memcpy(dst, params_.at<char>(ll.param_offset_bytes()), dst_bytes);
+  RETURN_IF_ERROR(backend_->CopyParams(dst, params_.at<char>(ll.param_offset_bytes()), dst_bytes));
   std::atomic_thread_fence(std::memory_order_acquire);
   const uint64_t after = shm::Atomic(lc->committed_version).load(std::memory_order_acquire);
   const uint64_t pending = shm::Atomic(lc->pending_version).load(std::memory_order_acquire);
@@ -371,9 +372,9 @@ absl::Status RankClient::PushGrad(uint64_t step, uint32_t layer, const void* dat
         &cs->wake_seq,
         [&] { return shm::Atomic(cs->state).load(std::memory_order_acquire) == shm::kSlotEmpty; },
         deadline, "waiting for a free gradient slot"));
-    std::memcpy(
+    RETURN_IF_ERROR(backend_->CopyGradChunk(
         grads_.at<char>(shm::GradSlotOffset(options_.rank, slot, slots, layout_.chunk_bytes())),
-        src + off * elem, n * elem);
+        src + off * elem, n * elem));
     cs->step = step;
     cs->seq = seq_;
     cs->offset_elements = off;

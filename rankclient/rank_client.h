@@ -16,8 +16,9 @@
 //                   fetch_kill:N  SIGKILL it halfway through the copy of its N-th FetchParams;
 //                   push_stop:N   SIGSTOP it before its N-th gradient chunk.
 //
-// This is the CPU backend: parameters are copied into caller memory. The CUDA backend (issue
-// #4) adds registered mappings, GPU window slots and streams on top of the same protocol.
+// Copies go through a Backend (backend.h): the CPU backend copies into host memory; the CUDA
+// backend (issue #4) adds registered mappings, GPU window slots and streams on top of the same
+// protocol.
 //
 // Thread safety: one thread drives the data plane (BeginStep/Fetch/Push/Wait); the session
 // runs on internal threads. Destruction detaches.
@@ -34,6 +35,7 @@
 #include "absl/status/statusor.h"
 #include "common/shm_segment.h"
 #include "proto/shm_abi.h"
+#include "rankclient/backend.h"
 #include "slidedp/v1/control.pb.h"
 
 namespace slidedp::rankclient {
@@ -48,6 +50,8 @@ class RankClient {
     std::string manifest_hash;    // the rank's model; must equal the job's
     int32_t gpu = -1;             // -1: CPU backend
     uint32_t timeout_ms = 30000;  // for RPCs
+    // Moves bytes between the mappings and the caller's memory; null: the CPU backend.
+    std::shared_ptr<Backend> backend;
   };
 
   static absl::StatusOr<std::unique_ptr<RankClient>> Attach(const Options& options);
@@ -73,7 +77,8 @@ class RankClient {
   // OUT_OF_RANGE when `step` is not the job's next step.
   absl::Status BeginStep(uint64_t step, std::chrono::milliseconds timeout);
 
-  // Waits for layer `layer` to reach `version` and copies its BF16 parameters into `dst`
+  // Waits for layer `layer` to reach `version` and copies its BF16 parameters into `dst` (memory
+  // of the backend)
   // (`dst_bytes` == numel * 2). Returns the version copied (== version). NOT_FOUND: unknown
   // layer; INVALID_ARGUMENT: wrong size; OUT_OF_RANGE: a version that cannot come in this step
   // (> step - 1) or one the layer is already past.
@@ -120,6 +125,7 @@ class RankClient {
   bool pushing_rank_ = true;
   int grad_dtype_ = 2;
   bool detached_ = false;
+  std::shared_ptr<Backend> backend_;
   // Failure point (see above): kind and the count at which it fires; counters of this process.
   std::string failpoint_;
   uint64_t failpoint_at_ = 0;
