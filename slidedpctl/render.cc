@@ -96,25 +96,13 @@ ordered_json VersionToJson(const v1::BuildInfo& client, const v1::BuildInfo* dae
 }
 
 Table LayersTable(const LayerList& layers) {
-  Table table({{"LAYER", Align::kRight},
-               {"NAME", Align::kLeft},
-               {"KIND", Align::kLeft},
-               {"PARAMS", Align::kRight},
-               {"VERSION", Align::kRight},
-               {"BYTES", Align::kRight},
-               {"NUMA", Align::kRight},
-               {"SKIPPED", Align::kRight}});
+  std::vector<Table::Column> columns = {{"LAYER", Align::kRight},   {"NAME", Align::kLeft},
+                                        {"KIND", Align::kLeft},     {"PARAMS", Align::kRight},
+                                        {"VERSION", Align::kRight}, {"BYTES", Align::kRight},
+                                        {"NUMA", Align::kRight},    {"SKIPPED", Align::kRight}};
   const bool checksums = !layers.empty() && !layers.begin()->checksum().empty();
-  if (checksums)
-    table = Table({{"LAYER", Align::kRight},
-                   {"NAME", Align::kLeft},
-                   {"KIND", Align::kLeft},
-                   {"PARAMS", Align::kRight},
-                   {"VERSION", Align::kRight},
-                   {"BYTES", Align::kRight},
-                   {"NUMA", Align::kRight},
-                   {"SKIPPED", Align::kRight},
-                   {"CHECKSUM", Align::kLeft}});
+  if (checksums) columns.push_back({"CHECKSUM", Align::kLeft});
+  Table table(std::move(columns));
   for (const v1::LayerStatus& layer : layers) {
     std::vector<std::string> row = {absl::StrCat(layer.layer()),
                                     layer.name(),
