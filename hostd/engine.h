@@ -135,8 +135,8 @@ class Engine {
   mutable absl::Mutex mu_;
   bool serving_ ABSL_GUARDED_BY(mu_) = true;
   std::optional<slidedp::v1::JobSpec> job_ ABSL_GUARDED_BY(mu_);
-  std::unique_ptr<TrainingState> state_;  // set once under mu_, then read-only
-  std::unique_ptr<UpdateWorker> worker_;  // set once under mu_, then read-only
+  std::unique_ptr<TrainingState> state_;      // set once under mu_, then read-only
+  std::unique_ptr<UpdateWorker> worker_;      // set once under mu_, then read-only
   std::unique_ptr<GradientReducer> reducer_;  // set once under mu_, then read-only
   std::vector<RankEntry> ranks_ ABSL_GUARDED_BY(mu_);
   uint64_t next_step_ ABSL_GUARDED_BY(mu_) = 1;

@@ -67,13 +67,13 @@ enum class StepState : uint64_t { kIdle = 0, kRunning = 1, kAborting = 2 };
 
 // One per job, right after the header of the control segment.
 struct alignas(64) ControlBlock {
-  uint64_t next_step;       // atomic: 1-based id of the step that begins next
-  uint64_t step_state;      // atomic: StepState of next_step
-  uint64_t abort_epoch;     // atomic: bumped on every abort; waiters compare it
-  uint64_t hostd_pid;       // atomic
-  uint64_t hostd_alive_ns;  // atomic: CLOCK_MONOTONIC of hostd's last liveness tick
-  uint32_t wake_seq;        // atomic futex word: bumped on every abort and shutdown
-  uint32_t shutting_down;   // atomic: 1 once hostd stops serving
+  uint64_t next_step;        // atomic: 1-based id of the step that begins next
+  uint64_t step_state;       // atomic: StepState of next_step
+  uint64_t abort_epoch;      // atomic: bumped on every abort; waiters compare it
+  uint64_t hostd_pid;        // atomic
+  uint64_t hostd_alive_ns;   // atomic: CLOCK_MONOTONIC of hostd's last liveness tick
+  uint32_t wake_seq;         // atomic futex word: bumped on every abort and shutdown
+  uint32_t shutting_down;    // atomic: 1 once hostd stops serving
   uint64_t chunk_bytes;      // capacity of one gradient ring slot
   uint32_t grad_ring_slots;  // slots per rank
   uint32_t grad_dtype;       // DType of control.proto (1 FP32, 2 BF16)
@@ -124,8 +124,8 @@ struct alignas(64) ChunkSlot {
   uint64_t offset_elements;  // where the chunk starts within the layer
   uint64_t numel;            // elements in this chunk
   uint32_t layer;
-  uint32_t dtype;            // DType of control.proto
-  uint32_t wake_seq;         // atomic futex word: bumped when hostd empties the slot or aborts
+  uint32_t dtype;     // DType of control.proto
+  uint32_t wake_seq;  // atomic futex word: bumped when hostd empties the slot or aborts
   uint32_t reserved0;
   uint64_t reserved[1];
 };
@@ -153,8 +153,7 @@ inline constexpr size_t ChunkSlotIndex(uint32_t rank, uint32_t slot, uint32_t sl
 }
 inline constexpr size_t ControlSegmentBytes(uint32_t layer_count, uint32_t world_size = 0,
                                             uint32_t slots_per_rank = 0) {
-  return ChunkSlotsOffset(layer_count) +
-         size_t{world_size} * slots_per_rank * sizeof(ChunkSlot);
+  return ChunkSlotsOffset(layer_count) + size_t{world_size} * slots_per_rank * sizeof(ChunkSlot);
 }
 // Byte offset of a ring slot's data in the grads segment.
 inline constexpr size_t GradSlotOffset(uint32_t rank, uint32_t slot, uint32_t slots_per_rank,
