@@ -280,7 +280,7 @@ absl::Status Engine::CreateJobLocked(slidedp::v1::JobSpec spec, LoadedModel mode
   }
   // The reducer calls the worker directly (never under mu_: lock order is engine, then reducer).
   reducer_ = std::make_unique<GradientReducer>(
-      state_.get(), ro,
+      state_.get(), pool_.get(), ro,
       [this](uint32_t layer, uint64_t step, GradientRef grad, UpdateWorker::DoneFn done) {
         return worker_->Submit(layer, step, grad, [this, done](const LayerUpdateResult& r) {
           OnLayerDone(r);

@@ -9,11 +9,15 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
+#include "common/thread_pool.h"
 #include "kernels/cpu/bf16.h"
 #include "spdlog/spdlog.h"
 
 namespace slidedp::hostd {
 namespace {
+
+// Below this a chunk is summed on the reducer thread: waking the pool costs more.
+constexpr uint64_t kParallelReduceElems = 1 << 16;
 
 uint32_t DTypeOf(kernels::GradType t) { return t == kernels::GradType::kFp32 ? 1 : 2; }
 
@@ -43,9 +47,10 @@ void Accumulate(float* dst, const void* src, kernels::GradType type, uint64_t n,
 
 }  // namespace
 
-GradientReducer::GradientReducer(TrainingState* state, Options options, SubmitFn submit,
-                                 ErrorFn on_error)
+GradientReducer::GradientReducer(TrainingState* state, ThreadPool* pool, Options options,
+                                 SubmitFn submit, ErrorFn on_error)
     : state_(state),
+      pool_(pool),
       options_(std::move(options)),
       submit_(std::move(submit)),
       on_error_(std::move(on_error)),
@@ -231,10 +236,18 @@ bool GradientReducer::TryReduceOneLocked() {
   // 4. Reduce in fixed rank order.
   const auto t0 = std::chrono::steady_clock::now();
   float* dst = buffers_[current_buffer_].data.data() + h0.offset_elements;
-  bool first = true;
-  for (uint32_t r : options_.pushing_ranks) {
-    Accumulate(dst, state_->grad_slot_data(r, slot), options_.grad_type, h0.numel, first);
-    first = false;
+  auto reduce_range = [&](size_t b, size_t e, int) {
+    bool first = true;
+    for (uint32_t r : options_.pushing_ranks) {
+      const auto* src = static_cast<const char*>(state_->grad_slot_data(r, slot));
+      Accumulate(dst + b, src + b * elem_bytes_, options_.grad_type, e - b, first);
+      first = false;
+    }
+  };
+  if (pool_ != nullptr && h0.numel >= kParallelReduceElems) {
+    pool_->ParallelFor(h0.numel, 64, reduce_range);
+  } else {
+    reduce_range(0, h0.numel, 0);
   }
   stats_.chunks_reduced++;
   stats_.bytes_reduced += h0.numel * elem_bytes_ * options_.pushing_ranks.size();

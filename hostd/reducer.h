@@ -27,6 +27,10 @@
 #include "hostd/optimizer.h"
 #include "hostd/state.h"
 
+namespace slidedp {
+class ThreadPool;
+}
+
 namespace slidedp::hostd {
 
 class GradientReducer {
@@ -39,7 +43,10 @@ class GradientReducer {
                                               UpdateWorker::DoneFn done)>;
   using ErrorFn = std::function<void(uint64_t step, const std::string& reason)>;
 
-  GradientReducer(TrainingState* state, Options options, SubmitFn submit, ErrorFn on_error);
+  // `pool` (may be null) splits each chunk's sum across threads; the adds are element-wise, so
+  // the result does not depend on the split.
+  GradientReducer(TrainingState* state, ThreadPool* pool, Options options, SubmitFn submit,
+                  ErrorFn on_error);
   ~GradientReducer();
   GradientReducer(const GradientReducer&) = delete;
   GradientReducer& operator=(const GradientReducer&) = delete;
@@ -74,6 +81,7 @@ class GradientReducer {
   void Ring();
 
   TrainingState* const state_;
+  ThreadPool* const pool_;
   const Options options_;
   const SubmitFn submit_;
   const ErrorFn on_error_;

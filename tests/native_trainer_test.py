@@ -53,15 +53,15 @@ class NativeTrainerTest(unittest.TestCase):
                 os.unlink(os.path.join("/dev/shm", n))
         shutil.rmtree(self.tmp, ignore_errors=True)
 
-    def start_hostd(self, world_size):
-        instance = f"nt{os.getpid()}r{world_size}"
+    def start_hostd(self, world_size, threads=1):
+        instance = f"nt{os.getpid()}r{world_size}t{threads}"
         self.instances.append(instance)
         socket = os.path.join(self.tmp, f"{instance}.sock")
         log = open(os.path.join(self.tmp, f"{instance}.log"), "w+")
         self.files.append(log)
         proc = subprocess.Popen(
             [HOSTD, "--model", "none", "--world_size", str(world_size), "--socket", socket,
-             "--instance", instance, "--mlock", "best_effort", "--update_threads", "1",
+             "--instance", instance, "--mlock", "best_effort", "--update_threads", str(threads),
              "--heartbeat_deadline_ms", "5000"],
             stdout=log, stderr=subprocess.STDOUT)
         self.procs.append(proc)
@@ -79,22 +79,22 @@ class NativeTrainerTest(unittest.TestCase):
         self.assertEqual(r.returncode, 0, f"slidedpctl {args}: {r.stderr}")
         return r.stdout
 
-    def reference(self, world_size):
+    def reference(self, world_size, model=()):
         out = os.path.join(self.tmp, f"reference{world_size}.json")
         r = subprocess.run([REFERENCE, "--world-size", str(world_size), "--steps", str(STEPS),
-                            "--out", out], capture_output=True, text=True, timeout=120)
+                            "--out", out, *model], capture_output=True, text=True, timeout=120)
         self.assertEqual(r.returncode, 0, r.stderr)
         with open(out) as f:
             return json.load(f)
 
-    def run_job(self, world_size):
-        hostd, socket, instance, hostd_log = self.start_hostd(world_size)
+    def run_job(self, world_size, model=(), chunk_bytes=CHUNK_BYTES, threads=1):
+        hostd, socket, instance, hostd_log = self.start_hostd(world_size, threads)
         trainers = []
         for rank in range(world_size):
             stamps = os.path.join(self.tmp, f"stamps{world_size}.{rank}.jsonl")
             cmd = [TRAINER, "--socket", socket, "--rank", str(rank), "--world-size",
-                   str(world_size), "--steps", str(STEPS), "--chunk-bytes", str(CHUNK_BYTES),
-                   "--timeout-ms", "30000", "--stamps", stamps]
+                   str(world_size), "--steps", str(STEPS), "--chunk-bytes", str(chunk_bytes),
+                   "--timeout-ms", "30000", "--stamps", stamps, *model]
             if rank == 0:
                 cmd.append("--create-job")
             out = open(os.path.join(self.tmp, f"trainer{world_size}.{rank}.log"), "w+")
@@ -174,6 +174,16 @@ class NativeTrainerTest(unittest.TestCase):
                 self.check_losses(world_size, logs, ref["loss"])
                 print(f"R={world_size}: {STEPS} steps bit-exact, loss {ref['loss'][0]:.4f} -> "
                       f"{ref['loss'][-1]:.4f}, {time.time() - t0:.1f} s", flush=True)
+
+    def test_large_chunks_reduced_in_parallel(self):
+        # 256-wide layers (65,792 parameters) in one 1 MiB chunk: hostd splits each chunk's
+        # rank sum across its update threads; the result must not change.
+        model = ("--dim", "256")
+        layers, _, stamp_files = self.run_job(2, model, chunk_bytes=1 << 20, threads=2)
+        ref = self.reference(2, model)
+        for got, want in zip(layers, ref["layers"]):
+            self.assertEqual(got["checksum"], want["checksum"], f"layer {want['layer']} differs")
+        self.check_stamps(2, stamp_files)
 
 
 if __name__ == "__main__":
