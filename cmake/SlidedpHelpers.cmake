@@ -38,3 +38,20 @@ function(slidedp_test name)
   add_test(NAME ${name} COMMAND ${name})
   set_tests_properties(${name} PROPERTIES LABELS "${ARG_LABELS}" TIMEOUT ${ARG_TIMEOUT})
 endfunction()
+
+# slidedp_gpu_test(NAME SRCS a_test.cc DEPS x y [LABELS extra] [TIMEOUT s]): a GoogleTest binary
+# labelled `gpu` whose main (common/gpu_test_main.cc) exits 77 when no CUDA device is usable;
+# CTest reports that as skipped, so gpu tests skip cleanly on machines without a GPU.
+function(slidedp_gpu_test name)
+  cmake_parse_arguments(ARG "" "TIMEOUT" "SRCS;DEPS;LABELS" ${ARGN})
+  add_executable(${name} ${ARG_SRCS} ${PROJECT_SOURCE_DIR}/common/gpu_test_main.cc)
+  target_include_directories(${name} PRIVATE ${PROJECT_SOURCE_DIR} ${PROJECT_BINARY_DIR})
+  target_compile_options(${name} PRIVATE $<$<COMPILE_LANGUAGE:CXX>:${SLIDEDP_WARNINGS}>)
+  target_link_libraries(${name} PRIVATE ${ARG_DEPS} CUDA::cudart GTest::gtest GTest::gmock)
+  if(NOT ARG_TIMEOUT)
+    set(ARG_TIMEOUT 300)
+  endif()
+  add_test(NAME ${name} COMMAND ${name})
+  set_tests_properties(${name} PROPERTIES LABELS "gpu;${ARG_LABELS}" TIMEOUT ${ARG_TIMEOUT}
+                       SKIP_RETURN_CODE 77)
+endfunction()

@@ -14,10 +14,12 @@
 //   params:  per layer, the BF16 parameters of the layer's committed version
 //   grads:   gradient staging: per rank a ring of grad_ring_slots chunks of chunk_bytes each
 //
-// Gradient push protocol (CPU reduction: every rank pushes; GPU reduction: one rank pushes the
-// aggregated gradient). Within a step every pushing rank sends its layers in the same order,
-// each layer cut into chunks of chunk_bytes / element size elements; a rank's k-th chunk of the
-// step has sequence number k and goes to ring slot k % grad_ring_slots:
+// Gradient push protocol (CPU reduction: every rank pushes its whole gradient, hostd sums; GPU
+// reduction: one rank pushes the aggregated gradient; reduce-scatter: every rank pushes its shard
+// of the aggregated gradient, ShardOf below, and hostd sums nothing). Within a step every pushing
+// rank sends its layers in the same order, each layer (or shard) cut into chunks of
+// chunk_bytes / element size elements; a rank's k-th chunk of the step has sequence number k and
+// goes to ring slot k % grad_ring_slots:
 //   rank:  wait until slot.state == kSlotEmpty (futex on slot.wake_seq), copy the data into the
 //          slot's region of the grads segment, fill the header fields, store state = kSlotFull
 //          (release), bump ControlBlock::doorbell and wake it;
@@ -37,7 +39,7 @@
 namespace slidedp::shm {
 
 inline constexpr uint64_t kMagic = 0x314D485350444C53ULL;  // "SLDPSHM1" little-endian
-inline constexpr uint32_t kAbiVersion = 1;
+inline constexpr uint32_t kAbiVersion = 2;
 inline constexpr size_t kHeaderBytes = 4096;
 inline constexpr size_t kPayloadAlign = 4096;  // every layer region starts on a page
 inline constexpr uint32_t kMaxRanks = 64;
@@ -113,6 +115,35 @@ struct alignas(64) LayerControl {
 };
 static_assert(sizeof(LayerControl) == 128);
 
+// ChunkSlot::flags. kChunkFlagStats is set only on a rank's first chunk of a layer; it lets hostd
+// apply AdamW chunk by chunk as the chunks arrive (it knows the layer's norm and finiteness
+// before the last chunk). kChunkFlagNonFinite: the rank's part holds a NaN or Inf.
+inline constexpr uint32_t kChunkFlagStats = 1u << 0;
+inline constexpr uint32_t kChunkFlagNonFinite = 1u << 1;
+
+// The reduce-scatter route's shards (and the sharded parameter route's slices): a layer of
+// `numel` elements is padded to world_size * ShardElems(numel, world_size) elements and rank r
+// owns [r * S, (r + 1) * S) of it, clipped to numel (the last ranks' shards may be short or
+// empty). S is a multiple of kShardAlignElems so every shard starts 256-byte aligned in FP32.
+inline constexpr uint64_t kShardAlignElems = 64;
+inline constexpr uint64_t ShardElems(uint64_t numel, uint32_t world_size) {
+  const uint64_t per = (numel + world_size - 1) / world_size;
+  return (per + kShardAlignElems - 1) / kShardAlignElems * kShardAlignElems;
+}
+inline constexpr uint64_t PaddedNumel(uint64_t numel, uint32_t world_size) {
+  return ShardElems(numel, world_size) * world_size;
+}
+struct ShardRange {
+  uint64_t begin;  // first element of the layer
+  uint64_t numel;  // elements (0: empty shard)
+};
+inline constexpr ShardRange ShardOf(uint64_t numel, uint32_t world_size, uint32_t rank) {
+  const uint64_t s = ShardElems(numel, world_size);
+  const uint64_t b = s * rank < numel ? s * rank : numel;
+  const uint64_t e = s * (rank + 1) < numel ? s * (rank + 1) : numel;
+  return ShardRange{b, e - b};
+}
+
 inline constexpr uint64_t kSlotEmpty = 0;
 inline constexpr uint64_t kSlotFull = 1;
 
@@ -126,10 +157,14 @@ struct alignas(64) ChunkSlot {
   uint32_t layer;
   uint32_t dtype;     // DType of control.proto
   uint32_t wake_seq;  // atomic futex word: bumped when hostd empties the slot or aborts
-  uint32_t reserved0;
-  uint64_t reserved[1];
+  uint32_t flags;     // kChunkFlag* below
+  // With kChunkFlagStats: the sum of squares (FP64) of everything this rank pushes for the
+  // layer in this step (the whole layer on the GPU-reduction route, the rank's shard on the
+  // reduce-scatter route), computed by the rank before its first chunk of the layer.
+  double stats_sumsq;
 };
 static_assert(sizeof(ChunkSlot) == 64);
+static_assert(offsetof(ChunkSlot, stats_sumsq) == 56);
 
 static_assert(std::is_trivially_copyable_v<SegmentHeader> &&
               std::is_standard_layout_v<SegmentHeader>);

@@ -9,6 +9,7 @@ PACKAGES=(
   libabsl-dev libboost-dev libhwloc-dev libnuma-dev hwloc numactl
   libcli11-dev libspdlog-dev nlohmann-json3-dev libtomlplusplus-dev prometheus-cpp-dev
   libsystemd-dev libxxhash-dev libgtest-dev libgmock-dev libbenchmark-dev clang-format
+  ccache patchelf
 )
 
 missing=()
