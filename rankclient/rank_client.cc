@@ -266,7 +266,8 @@ absl::Status RankClient::BeginStep(uint64_t step, std::chrono::milliseconds time
   RETURN_IF_ERROR(FromGrpc(session_->stub->BeginStep(&ctx, req, &resp), "BeginStep"));
   step_ = step;
   abort_epoch_ = epoch;
-  seq_ = 0;
+  acquire_seq_ = 0;
+  publish_seq_ = 0;
   std::fill(pushed_.begin(), pushed_.end(), false);
   session_->step = step;
   return absl::OkStatus();
@@ -317,19 +318,16 @@ absl::StatusOr<uint64_t> RankClient::FetchParams(uint32_t layer, uint64_t versio
     raise(SIGKILL);
   }
   RETURN_IF_ERROR(backend_->CopyParams(dst, params_.at<char>(ll.param_offset_bytes()), dst_bytes));
-  std::atomic_thread_fence(std::memory_order_acquire);
-  const uint64_t after = shm::Atomic(lc->committed_version).load(std::memory_order_acquire);
-  const uint64_t pending = shm::Atomic(lc->pending_version).load(std::memory_order_acquire);
-  if (after != version || pending != version) {
-    RETURN_IF_ERROR(CheckLive());
-    return absl::InternalError(absl::StrCat("layer ", layer, " changed during the copy (version ",
-                                            version, " -> ", after, ", pending ", pending, ")"));
-  }
+  RETURN_IF_ERROR(CheckLayerVersion(layer, version));
   return version;
 }
 
 absl::Status RankClient::PushGrad(uint64_t step, uint32_t layer, const void* data, int dtype,
                                   size_t bytes, std::chrono::milliseconds timeout) {
+  return PushGrad(step, layer, data, dtype, bytes, nullptr, timeout);
+}
+
+absl::Status RankClient::BeginLayerPush(uint64_t step, uint32_t layer) {
   if (step_ == 0 || step != step_) {
     return absl::OutOfRangeError(
         absl::StrCat("step: ", step, " is not the current step (", step_, ")"));
@@ -338,56 +336,162 @@ absl::Status RankClient::PushGrad(uint64_t step, uint32_t layer, const void* dat
     return absl::NotFoundError(
         absl::StrCat("layer: ", layer, " does not exist; the model has ", num_layers(), " layers"));
   }
-  if (dtype != grad_dtype_) {
-    return absl::InvalidArgumentError(absl::StrCat("dtype: the job's gradients are ",
-                                                   grad_dtype_ == 1 ? "FP32 (1)" : "BF16 (2)",
-                                                   ", got ", dtype));
-  }
-  const uint64_t numel = layer_numel(layer);
-  const size_t elem = DTypeBytes(dtype);
-  if (data == nullptr || bytes != numel * elem) {
-    return absl::InvalidArgumentError(absl::StrCat("bytes: layer ", layer, " needs ", numel * elem,
-                                                   " bytes (", numel, " elements), got ", bytes));
-  }
   if (pushed_[layer]) {
     return absl::AlreadyExistsError(
         absl::StrCat("layer ", layer, " was already pushed in step ", step));
   }
   RETURN_IF_ERROR(CheckLive());
   pushed_[layer] = true;
-  if (!pushing_rank_) return absl::OkStatus();
+  return absl::OkStatus();
+}
 
+shm::ShardRange RankClient::PushRange(uint32_t layer) const {
+  const uint64_t numel = layer_numel(layer);
+  switch (layout_.grad_route()) {
+    case v1::GRAD_ROUTE_GPU_REDUCTION:
+      return pushing_rank_ ? shm::ShardRange{0, numel} : shm::ShardRange{0, 0};
+    case v1::GRAD_ROUTE_REDUCE_SCATTER:
+      return shm::ShardOf(numel, world_size(), options_.rank);
+    default:
+      return shm::ShardRange{0, numel};
+  }
+}
+
+const void* RankClient::LayerParams(uint32_t layer) const {
+  if (layer >= num_layers()) return nullptr;
+  return params_.at<char>(layout_.layers(static_cast<int>(layer)).param_offset_bytes());
+}
+
+absl::Status RankClient::CheckLayerVersion(uint32_t layer, uint64_t version) const {
+  if (layer >= num_layers()) {
+    return absl::NotFoundError(
+        absl::StrCat("layer: ", layer, " does not exist; the model has ", num_layers(), " layers"));
+  }
+  std::atomic_thread_fence(std::memory_order_acquire);
+  auto* lc = const_cast<ShmSegment&>(control_).at<shm::LayerControl>(
+      layout_.layers(static_cast<int>(layer)).control_offset_bytes());
+  const uint64_t committed = shm::Atomic(lc->committed_version).load(std::memory_order_acquire);
+  const uint64_t pending = shm::Atomic(lc->pending_version).load(std::memory_order_acquire);
+  if (committed != version || pending != version) {
+    RETURN_IF_ERROR(CheckLive());
+    return absl::InternalError(absl::StrCat("layer ", layer, " changed during the copy (version ",
+                                            version, " -> ", committed, ", pending ", pending,
+                                            ")"));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<RankClient::ChunkSlotRef> RankClient::AcquireChunkSlot(Clock::time_point deadline) {
+  if (failpoint_ == "push_stop" && chunks_pushed_ + 1 == failpoint_at_) raise(SIGSTOP);
   const uint32_t slots = layout_.grad_ring_slots();
+  if (acquire_seq_ >= publish_seq_ + slots) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "all ", slots, " gradient ring slots are acquired; publish one before acquiring more"));
+  }
+  const uint32_t slot = static_cast<uint32_t>(acquire_seq_ % slots);
+  const size_t index = shm::ChunkSlotIndex(options_.rank, slot, slots);
+  auto* cs = control_.at<shm::ChunkSlot>(shm::ChunkSlotsOffset(num_layers()) +
+                                         index * sizeof(shm::ChunkSlot));
+  RETURN_IF_ERROR(WaitOn(
+      &cs->wake_seq,
+      [&] { return shm::Atomic(cs->state).load(std::memory_order_acquire) == shm::kSlotEmpty; },
+      deadline, "waiting for a free gradient slot"));
+  ChunkSlotRef ref;
+  ref.seq = acquire_seq_++;
+  ref.slot = slot;
+  ref.data =
+      grads_.at<char>(shm::GradSlotOffset(options_.rank, slot, slots, layout_.chunk_bytes()));
+  return ref;
+}
+
+absl::Status RankClient::PublishChunk(const ChunkSlotRef& ref, uint32_t layer, uint64_t offset,
+                                      uint64_t numel, int dtype, const LayerStats* stats) {
+  if (ref.seq != publish_seq_) {
+    return absl::InternalError(absl::StrCat("chunk ", ref.seq, " published out of order; chunk ",
+                                            publish_seq_.load(), " is next"));
+  }
+  if (numel * DTypeBytes(dtype) > layout_.chunk_bytes()) {
+    return absl::InvalidArgumentError(absl::StrCat("numel: ", numel, " elements exceed a slot of ",
+                                                   layout_.chunk_bytes(), " bytes"));
+  }
+  RETURN_IF_ERROR(CheckLive());
+  const uint32_t slots = layout_.grad_ring_slots();
+  const size_t index = shm::ChunkSlotIndex(options_.rank, ref.slot, slots);
+  auto* cs = control_.at<shm::ChunkSlot>(shm::ChunkSlotsOffset(num_layers()) +
+                                         index * sizeof(shm::ChunkSlot));
+  cs->step = step_;
+  cs->seq = ref.seq;
+  cs->offset_elements = offset;
+  cs->numel = numel;
+  cs->layer = layer;
+  cs->dtype = static_cast<uint32_t>(dtype);
+  cs->flags = 0;
+  cs->stats_sumsq = 0;
+  if (stats != nullptr) {
+    cs->flags = shm::kChunkFlagStats | (stats->nonfinite ? shm::kChunkFlagNonFinite : 0u);
+    cs->stats_sumsq = stats->sumsq;
+  }
+  shm::Atomic(cs->state).store(shm::kSlotFull, std::memory_order_release);
+  shm::Atomic(cb_->doorbell).fetch_add(1, std::memory_order_acq_rel);
+  FutexWakeAll(&cb_->doorbell);
+  ++publish_seq_;
+  if (++chunks_pushed_ == failpoint_at_ && failpoint_ == "push_kill") raise(SIGKILL);
+  return absl::OkStatus();
+}
+
+absl::Status RankClient::PushGrad(uint64_t step, uint32_t layer, const void* data, int dtype,
+                                  size_t bytes, const LayerStats* stats,
+                                  std::chrono::milliseconds timeout) {
+  if (layer < num_layers() && step_ != 0 && step == step_ && dtype != grad_dtype_) {
+    return absl::InvalidArgumentError(absl::StrCat("dtype: the job's gradients are ",
+                                                   grad_dtype_ == 1 ? "FP32 (1)" : "BF16 (2)",
+                                                   ", got ", dtype));
+  }
+  const uint64_t numel = layer_numel(layer);
+  const size_t elem = DTypeBytes(dtype);
+  if (layer < num_layers() && (data == nullptr || bytes != numel * elem)) {
+    return absl::InvalidArgumentError(absl::StrCat("bytes: layer ", layer, " needs ", numel * elem,
+                                                   " bytes (", numel, " elements), got ", bytes));
+  }
+  RETURN_IF_ERROR(BeginLayerPush(step, layer));
+  const shm::ShardRange range = PushRange(layer);
   const uint64_t chunk_elems = layout_.chunk_bytes() / elem;
   const auto deadline = Clock::now() + timeout;
   const auto* src = static_cast<const char*>(data);
-  for (uint64_t off = 0; off < numel; off += chunk_elems) {
-    const uint64_t n = std::min(chunk_elems, numel - off);
-    if (failpoint_ == "push_stop" && chunks_pushed_ + 1 == failpoint_at_) raise(SIGSTOP);
-    const uint32_t slot = static_cast<uint32_t>(seq_ % slots);
-    const size_t index = shm::ChunkSlotIndex(options_.rank, slot, slots);
-    auto* cs = control_.at<shm::ChunkSlot>(shm::ChunkSlotsOffset(num_layers()) +
-                                           index * sizeof(shm::ChunkSlot));
-    RETURN_IF_ERROR(WaitOn(
-        &cs->wake_seq,
-        [&] { return shm::Atomic(cs->state).load(std::memory_order_acquire) == shm::kSlotEmpty; },
-        deadline, "waiting for a free gradient slot"));
-    RETURN_IF_ERROR(backend_->CopyGradChunk(
-        grads_.at<char>(shm::GradSlotOffset(options_.rank, slot, slots, layout_.chunk_bytes())),
-        src + off * elem, n * elem));
-    cs->step = step;
-    cs->seq = seq_;
-    cs->offset_elements = off;
-    cs->numel = n;
-    cs->layer = layer;
-    cs->dtype = static_cast<uint32_t>(dtype);
-    shm::Atomic(cs->state).store(shm::kSlotFull, std::memory_order_release);
-    shm::Atomic(cb_->doorbell).fetch_add(1, std::memory_order_acq_rel);
-    FutexWakeAll(&cb_->doorbell);
-    ++seq_;
-    if (++chunks_pushed_ == failpoint_at_ && failpoint_ == "push_kill") raise(SIGKILL);
+  for (uint64_t off = range.begin; off < range.begin + range.numel; off += chunk_elems) {
+    const uint64_t n = std::min(chunk_elems, range.begin + range.numel - off);
+    ASSIGN_OR_RETURN(ChunkSlotRef ref, AcquireChunkSlot(deadline));
+    RETURN_IF_ERROR(backend_->CopyGradChunk(ref.data, src + off * elem, n * elem));
+    RETURN_IF_ERROR(PublishChunk(ref, layer, off, n, dtype, off == range.begin ? stats : nullptr));
   }
   return absl::OkStatus();
+}
+
+absl::Status RankClient::PublishCommId(const std::string& unique_id, uint64_t generation,
+                                       std::chrono::milliseconds timeout) {
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + timeout);
+  v1::PublishCommIdRequest req;
+  req.set_job_id(job_id_);
+  req.set_rank(options_.rank);
+  req.set_unique_id(unique_id);
+  req.set_generation(generation);
+  v1::PublishCommIdResponse resp;
+  return FromGrpc(session_->stub->PublishCommId(&ctx, req, &resp), "PublishCommId");
+}
+
+absl::StatusOr<std::string> RankClient::FetchCommId(uint64_t generation,
+                                                    std::chrono::milliseconds timeout) {
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + timeout + std::chrono::seconds(5));
+  v1::FetchCommIdRequest req;
+  req.set_job_id(job_id_);
+  req.set_rank(options_.rank);
+  req.set_generation(generation);
+  req.set_wait_ms(static_cast<uint64_t>(timeout.count()));
+  v1::FetchCommIdResponse resp;
+  RETURN_IF_ERROR(FromGrpc(session_->stub->FetchCommId(&ctx, req, &resp), "FetchCommId"));
+  return resp.unique_id();
 }
 
 absl::Status RankClient::WaitStep(uint64_t step, std::chrono::milliseconds timeout) {

@@ -16,12 +16,20 @@
 //                   fetch_kill:N  SIGKILL it halfway through the copy of its N-th FetchParams;
 //                   push_stop:N   SIGSTOP it before its N-th gradient chunk.
 //
-// Copies go through a Backend (backend.h): the CPU backend copies into host memory; the CUDA
-// backend (issue #4) adds registered mappings, GPU window slots and streams on top of the same
-// protocol.
+// Host-memory copies go through a Backend (backend.h, the CPU backend). The GPU data plane
+// (gpu_plane.h) builds asynchronous, chunked H2D/D2H on the slot-level API below: it registers
+// the mappings with CUDA, copies parameters straight out of the params mapping into GPU window
+// slots, and copies gradient chunks straight into this rank's ring slots.
 //
-// Thread safety: one thread drives the data plane (BeginStep/Fetch/Push/Wait); the session
-// runs on internal threads. Destruction detaches.
+// Routes (Layout::grad_route): CPU reduction - every rank pushes its whole gradient; GPU
+// reduction - only grad_pushing_rank pushes (the aggregated gradient), the others only mark the
+// layer done; reduce-scatter - every rank pushes its shard shm::ShardOf() of the aggregated
+// gradient. PushRange() says which elements this rank pushes.
+//
+// Thread safety: one thread drives BeginStep/Fetch/WaitLayer/WaitStep; the gradient path
+// (BeginLayerPush/AcquireChunkSlot/PublishChunk/PushGrad) may run on a second thread, provided
+// BeginStep is not called while a push is under way. The session runs on internal threads.
+// Destruction detaches.
 #pragma once
 
 #include <atomic>
@@ -93,6 +101,50 @@ class RankClient {
   absl::Status PushGrad(uint64_t step, uint32_t layer, const void* data, int dtype, size_t bytes,
                         std::chrono::milliseconds timeout);
 
+  // Optional statistics of what this rank pushes for a layer (its whole push range), sent with
+  // the layer's first chunk; with them hostd can apply AdamW chunk by chunk (shm_abi.h).
+  struct LayerStats {
+    double sumsq = 0;
+    bool nonfinite = false;
+  };
+  // As above, with `stats` of the layer's push range (may be null).
+  absl::Status PushGrad(uint64_t step, uint32_t layer, const void* data, int dtype, size_t bytes,
+                        const LayerStats* stats, std::chrono::milliseconds timeout);
+
+  // ---- Slot-level API (used by the GPU data plane) ----
+  const ShmSegment& params_segment() const { return params_; }
+  const ShmSegment& grads_segment() const { return grads_; }
+  // Address of a layer's BF16 parameters in this process's params mapping (null: unknown layer).
+  const void* LayerParams(uint32_t layer) const;
+  // OK iff the layer is at `version` and not being rewritten (committed == pending == version);
+  // INTERNAL naming both versions otherwise (after CheckLive: ABORTED/UNAVAILABLE first).
+  absl::Status CheckLayerVersion(uint32_t layer, uint64_t version) const;
+  // The elements of `layer` this rank pushes on the job's route (numel 0: none).
+  shm::ShardRange PushRange(uint32_t layer) const;
+  int grad_dtype() const { return grad_dtype_; }
+  uint64_t chunk_bytes() const { return layout_.chunk_bytes(); }
+  // Starts this rank's push of `layer` in `step`: checks the step, the layer and that it was not
+  // pushed before (same codes as PushGrad), and marks it pushed.
+  absl::Status BeginLayerPush(uint64_t step, uint32_t layer);
+  // The ring slot of this rank's next chunk sequence number, once hostd has emptied it. Up to
+  // grad_ring_slots slots may be acquired before the first of them is published.
+  struct ChunkSlotRef {
+    uint64_t seq = 0;
+    uint32_t slot = 0;
+    void* data = nullptr;  // chunk_bytes() bytes in the grads mapping
+  };
+  absl::StatusOr<ChunkSlotRef> AcquireChunkSlot(std::chrono::steady_clock::time_point deadline);
+  // Hands an acquired slot, holding elements [offset, offset + numel) of `layer`, to hostd.
+  // Slots are published in the order they were acquired (INTERNAL otherwise). `stats` only on
+  // the rank's first chunk of the layer.
+  absl::Status PublishChunk(const ChunkSlotRef& ref, uint32_t layer, uint64_t offset,
+                            uint64_t numel, int dtype, const LayerStats* stats);
+  // Rendezvous for an NCCL unique id through hostd (rank 0 publishes, the others fetch, waiting
+  // up to `timeout` for it). `generation` distinguishes re-created communicators.
+  absl::Status PublishCommId(const std::string& unique_id, uint64_t generation,
+                             std::chrono::milliseconds timeout);
+  absl::StatusOr<std::string> FetchCommId(uint64_t generation, std::chrono::milliseconds timeout);
+
   // Waits until every layer has reached version `step` (the step's updates are published).
   absl::Status WaitStep(uint64_t step, std::chrono::milliseconds timeout);
 
@@ -119,8 +171,9 @@ class RankClient {
   ShmSegment grads_;
   shm::ControlBlock* cb_ = nullptr;
   uint64_t step_ = 0;
-  uint64_t abort_epoch_ = 0;  // at BeginStep
-  uint64_t seq_ = 0;          // next chunk sequence number of the step
+  uint64_t abort_epoch_ = 0;              // at BeginStep
+  std::atomic<uint64_t> acquire_seq_{0};  // next chunk sequence number to acquire in the step
+  std::atomic<uint64_t> publish_seq_{0};  // next chunk sequence number to publish
   std::vector<bool> pushed_;
   bool pushing_rank_ = true;
   int grad_dtype_ = 2;

@@ -13,6 +13,8 @@
 // Output: the global loss per step and, per layer, LayerStateChecksum (hostd's
 // `slidedpctl layers --checksums`), on stdout and with --out FILE as JSON:
 //   {"layers":[{"layer":0,"checksum":"%016x"},...],"loss":[...per step...]}
+// --params-out FILE writes the final BF16 parameters of every layer, layers in order, raw
+// little-endian (what native_gpu_trainer --params-out writes, for a comparison with tolerance).
 #include <CLI/CLI.hpp>
 #include <cstdio>
 #include <string>
@@ -43,7 +45,7 @@ struct LayerState {
   std::vector<uint16_t> params;
 };
 
-absl::Status Run(const MlpRunFlags& f, const std::string& out_path) {
+absl::Status Run(const MlpRunFlags& f, const std::string& out_path, const std::string& params_out) {
   RETURN_IF_ERROR(ValidateMlpConfig(f.model, f.world_size));
   const v1::JobSpec spec = MlpJobSpec(f.model, f.optimizer, f.world_size, /*chunk_bytes=*/65536);
   ASSIGN_OR_RETURN(const v1::OptimizerConfig cfg,
@@ -136,6 +138,17 @@ absl::Status Run(const MlpRunFlags& f, const std::string& out_path) {
     const bool ok = std::fwrite(json.data(), 1, json.size(), out) == json.size();
     if (std::fclose(out) != 0 || !ok) return ErrnoStatus(absl::StrCat("--out: writing ", out_path));
   }
+  if (!params_out.empty()) {
+    std::FILE* out = std::fopen(params_out.c_str(), "wb");
+    if (out == nullptr) return ErrnoStatus(absl::StrCat("--params-out: cannot write ", params_out));
+    bool ok = true;
+    for (const LayerState& s : state) {
+      ok = ok && std::fwrite(s.params.data(), 2, numel, out) == numel;
+    }
+    if (std::fclose(out) != 0 || !ok) {
+      return ErrnoStatus(absl::StrCat("--params-out: writing ", params_out));
+    }
+  }
   return absl::OkStatus();
 }
 
@@ -145,11 +158,14 @@ absl::Status Run(const MlpRunFlags& f, const std::string& out_path) {
 int main(int argc, char** argv) {
   slidedp::examples::MlpRunFlags f;
   std::string out;
+  std::string params_out;
   CLI::App app{"native_reference: the native MLP trainer's training in one process"};
   slidedp::examples::AddMlpRunFlags(app, &f);
   app.add_option("--out", out, "Write the layer checksums and losses as JSON to this file");
+  app.add_option("--params-out", params_out,
+                 "Write the final BF16 parameters (raw, layers in order) to this file");
   CLI11_PARSE(app, argc, argv);
-  const absl::Status s = slidedp::examples::Run(f, out);
+  const absl::Status s = slidedp::examples::Run(f, out, params_out);
   if (!s.ok()) {
     std::fprintf(stderr, "native_reference: %s\n", s.ToString().c_str());
     return 1;

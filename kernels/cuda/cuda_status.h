@@ -13,7 +13,8 @@ namespace slidedp::cuda {
 
 inline absl::Status CudaStatus(cudaError_t e, absl::string_view what) {
   if (e == cudaSuccess) return absl::OkStatus();
-  const absl::StatusCode code = e == cudaErrorMemoryAllocation ? absl::StatusCode::kResourceExhausted
+  const absl::StatusCode code = e == cudaErrorMemoryAllocation
+                                    ? absl::StatusCode::kResourceExhausted
                                 : e == cudaErrorNoDevice || e == cudaErrorInsufficientDriver
                                     ? absl::StatusCode::kFailedPrecondition
                                     : absl::StatusCode::kInternal;
@@ -25,11 +26,11 @@ inline absl::Status CudaStatus(cudaError_t e, absl::string_view what) {
 
 #define SLIDEDP_CUDA_CONCAT_INNER(a, b) a##b
 #define SLIDEDP_CUDA_CONCAT(a, b) SLIDEDP_CUDA_CONCAT_INNER(a, b)
-#define RETURN_IF_CUDA_ERROR(expr, ...)                                                   \
-  do {                                                                                    \
-    const cudaError_t SLIDEDP_CUDA_CONCAT(_cuda_err_, __LINE__) = (expr);                 \
-    if (SLIDEDP_CUDA_CONCAT(_cuda_err_, __LINE__) != cudaSuccess) {                       \
-      return ::slidedp::cuda::CudaStatus(SLIDEDP_CUDA_CONCAT(_cuda_err_, __LINE__),       \
-                                         ::absl::StrCat(__VA_ARGS__));                    \
-    }                                                                                     \
+#define RETURN_IF_CUDA_ERROR(expr, ...)                                             \
+  do {                                                                              \
+    const cudaError_t SLIDEDP_CUDA_CONCAT(_cuda_err_, __LINE__) = (expr);           \
+    if (SLIDEDP_CUDA_CONCAT(_cuda_err_, __LINE__) != cudaSuccess) {                 \
+      return ::slidedp::cuda::CudaStatus(SLIDEDP_CUDA_CONCAT(_cuda_err_, __LINE__), \
+                                         ::absl::StrCat(__VA_ARGS__));              \
+    }                                                                               \
   } while (0)
