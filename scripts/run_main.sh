@@ -4,12 +4,35 @@
 # and samples/s per step on screen, slidedpctl status/layers while it trains and after, the global
 # loss per step, then hostd stopped cleanly and its leftover segments counted (0 expected).
 # The model: LAYERS x DIM, global batch BATCH, STEPS steps at LR (environment overrides).
+# With a GPU (nvidia-smi lists one and the build has the CUDA targets) the ranks are
+# native_gpu_trainer processes: layers computed on the GPU, parameters streamed through the GPU
+# window, gradients D2H; one rank per GPU on the reduce-scatter route, or 2 ranks sharing a single
+# GPU on the CPU-reduction route. SLIDEDP_CPU=1 forces the CPU trainer.
+# On a machine without the build tools, BUILD_DIR may name a prebuilt tree and SKIP_SETUP=1 skips
+# bootstrap and build.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-scripts/bootstrap.sh
-scripts/build.sh
+if [ "${SKIP_SETUP:-0}" != 1 ]; then
+  scripts/bootstrap.sh
+  scripts/build.sh
+fi
 B=${BUILD_DIR:-build}
 R=2
+GPUS=0
+if [ "${SLIDEDP_CPU:-0}" != 1 ] && [ -x "$B/examples/native_trainer/native_gpu_trainer" ] &&
+  command -v nvidia-smi >/dev/null && nvidia-smi -L >/dev/null 2>&1; then
+  GPUS=$(nvidia-smi -L | grep -c "^GPU")
+fi
+TRAINER="$B/examples/native_trainer/native_trainer"
+ROUTE=()
+if ((GPUS > 1)); then
+  R=$GPUS
+  TRAINER="$B/examples/native_trainer/native_gpu_trainer"
+  ROUTE=(--grad-route reduce_scatter --param-route replicated)
+elif ((GPUS == 1)); then
+  TRAINER="$B/examples/native_trainer/native_gpu_trainer"
+  ROUTE=(--grad-route cpu_reduction)
+fi
 STEPS=${STEPS:-30}
 LAYERS=${LAYERS:-8}
 DIM=${DIM:-384}
@@ -34,14 +57,16 @@ PIDS+=("$HOSTD")
 for _ in $(seq 100); do [ -S "$SOCK" ] && break; sleep 0.1; done
 ctl version
 
-echo "== training: $R ranks, $LAYERS layers x $DIM, global batch $BATCH, $STEPS steps, lr $LR"
+echo "== training: $R ranks ($( ((GPUS)) && echo "on $GPUS GPU(s)" || echo "on the CPU")), $LAYERS layers x $DIM, global batch $BATCH, $STEPS steps, lr $LR"
 TRAINERS=()
 for rank in $(seq 0 $((R - 1))); do
   create=""
   [ "$rank" = 0 ] && create="--create-job"
-  "$B/examples/native_trainer/native_trainer" --socket "$SOCK" --rank "$rank" --world-size "$R" \
+  gpu=()
+  ((GPUS)) && gpu=(--gpu $((rank % GPUS)) "${ROUTE[@]}")
+  "$TRAINER" --socket "$SOCK" --rank "$rank" --world-size "$R" \
     --layers "$LAYERS" --dim "$DIM" --batch "$BATCH" --lr "$LR" --steps "$STEPS" $create \
-    >"$RUN/rank$rank.log" 2>&1 &
+    "${gpu[@]}" >"$RUN/rank$rank.log" 2>&1 &
   TRAINERS+=($!)
   PIDS+=($!)
 done

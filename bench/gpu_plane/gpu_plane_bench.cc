@@ -197,8 +197,11 @@ absl::Status ModeH2d(const Flags& f, json* out) {
   std::memset(host, 1, layer_bytes);
   RETURN_IF_CUDA_ERROR(cudaMalloc(&dev, layer_bytes), "cudaMalloc");
   json rows = json::array();
+  uint64_t generation = 1;
   for (uint64_t mib : f.h2d_chunk_mib) {
     GpuDataPlane::Options o;
+    o.comm_generation = generation;  // each plane creates fresh communicators, if any
+    generation += 2;
     o.window_slots = f.window_slots;
     o.h2d_chunk_bytes = mib << 20;
     ASSIGN_OR_RETURN(std::unique_ptr<GpuDataPlane> plane, GpuDataPlane::Create(c.get(), o));
@@ -460,6 +463,7 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "gpu_plane_bench %s: %s\n", f.mode.c_str(), s.ToString().c_str());
     return 1;
   }
-  std::printf("%s\n", out.dump(1).c_str());
+  std::fflush(stdout);
+  std::printf("\n%s\n", out.dump(1).c_str());
   return 0;
 }

@@ -112,7 +112,13 @@ def run_part(bindir, tmp, tag, hostd_extra, bench_args):
         part["error"] = r.stderr[-3000:]
         part["hostd_log_tail"] = log
         return part
-    part["result"] = json.loads(r.stdout)
+    # Log lines (spdlog) may precede the report: it starts at the first line that is "{".
+    lines = r.stdout.splitlines()
+    start = next((i for i, l in enumerate(lines) if l.strip() == "{"), None)
+    try:
+        part["result"] = json.loads("\n".join(lines[start:])) if start is not None else None
+    except ValueError as e:
+        part["error"] = f"unparsable report ({e}): {r.stdout[-2000:]}"
     return part
 
 
@@ -131,7 +137,7 @@ def main():
     tmp = tempfile.mkdtemp(prefix="slidedp-gpb-")
     if "a" in parts:
         report["parts"]["a_h2d"] = run_part(args.bin, tmp, "a", [], [
-            "--mode", "h2d", "--layers", "8", "--layer-params", str((8 if q else 128) << 20),
+            "--mode", "h2d", "--grad-route", "cpu_reduction", "--layers", "8", "--layer-params", str((8 if q else 128) << 20),
             "--reps", "2", "--h2d-chunk-mib", "4", "16", "64", "256"])
     if "b" in parts:
         n = (64 if q else 800) * 1000 * 1000
