@@ -450,6 +450,18 @@ std::vector<KeyDescriptor> BuildKeys() {
                      &HostdConfig::update_threads));
   k.push_back(StringEnumKey("isa", engine, "Adam kernel; auto picks the best the CPU supports.",
                             {"auto", "scalar", "avx2", "avx512", "avx512bf16"}, &HostdConfig::isa));
+  k.push_back(StringEnumKey(
+      "update_granularity", engine,
+      "How the gpu_reduction and reduce_scatter routes apply AdamW: chunk (each gradient chunk is "
+      "updated as soon as it arrives, read in place from shared memory, so the update of chunk k "
+      "overlaps the transfer of chunk k+1; needs the ranks to send each layer's norm with its "
+      "first chunk and clip none or per_layer, else the layer is updated whole and a warning is "
+      "logged), auto (chunk when possible, silently whole layers otherwise) or layer (always "
+      "whole layers). Cost of chunk granularity: a step aborted while a layer is half updated "
+      "leaves that layer torn (part of it at the new version, part at the old), and hostd "
+      "refuses further steps until the state is restored from a checkpoint; layer granularity "
+      "never tears. cpu_reduction always updates whole layers.",
+      {"auto", "layer", "chunk"}, &HostdConfig::update_granularity));
 
   const std::string shm = "Shared memory";
   k.push_back(StringEnumKey("mlock", shm,
@@ -676,6 +688,9 @@ absl::Status Validate(const HostdConfig& c, const WhereFn& where) {
                 absl::StrCat("must be >= 0 (0: all cores of the node), got ", c.update_threads));
   }
   if (!in_choices("isa", c.isa)) return fail("isa", not_one_of("isa", c.isa));
+  if (!in_choices("update_granularity", c.update_granularity)) {
+    return fail("update_granularity", not_one_of("update_granularity", c.update_granularity));
+  }
   if (!in_choices("mlock", c.mlock)) return fail("mlock", not_one_of("mlock", c.mlock));
   if (!in_choices("shm_mode", c.shm_mode)) {
     return fail("shm_mode", not_one_of("shm_mode", c.shm_mode));

@@ -57,6 +57,9 @@ struct HostdConfig {
   std::string log_level = "info";  // trace|debug|info|warn|error
   uint32_t heartbeat_interval_ms = 500;
   uint32_t heartbeat_deadline_ms = 5000;
+  // auto|layer|chunk: whether the GPU-reduction and reduce-scatter routes may update a layer
+  // chunk by chunk as its gradient arrives (see the key's help in config.cc for the tear cost).
+  std::string update_granularity = "auto";
   std::string config_file;  // the TOML file read, if any (not itself a key)
 };
 

@@ -100,6 +100,7 @@ TEST(ConfigTest, Defaults) {
   EXPECT_EQ(c.config.numa_node, -1);
   EXPECT_EQ(c.config.update_threads, 0);
   EXPECT_EQ(c.config.isa, "auto");
+  EXPECT_EQ(c.config.update_granularity, "auto");
   EXPECT_EQ(c.config.mlock, "required");
   EXPECT_EQ(c.config.shm_mode, "0600");
   EXPECT_EQ(c.config.shm_group, "");
@@ -217,6 +218,7 @@ chunk_bytes = "64KiB"
 scale_by_world_size = false
 heartbeat_deadline_ms = 10000
 update_threads = 12
+update_granularity = "layer"
 log_level = "debug"
 )");
   for (const bool via_env : {false, true}) {
@@ -233,6 +235,7 @@ log_level = "debug"
     EXPECT_FALSE(c.config.optimizer.scale_by_world_size());
     EXPECT_EQ(c.config.heartbeat_deadline_ms, 10000u);
     EXPECT_EQ(c.config.update_threads, 12);
+    EXPECT_EQ(c.config.update_granularity, "layer");
     EXPECT_EQ(c.config.log_level, "debug");
     EXPECT_EQ(Entry(c, "lr").source, "file");
     EXPECT_EQ(Entry(c, "update_threads").source, "file");
@@ -576,6 +579,12 @@ INSTANTIATE_TEST_SUITE_P(
                 {},
                 "",
                 {"isa (flag --isa): 'avx9' is not one of auto, scalar, avx2, avx512, avx512bf16"}},
+        BadCase{"update_granularity",
+                {"--update_granularity", "tensor"},
+                {},
+                "",
+                {"update_granularity (flag --update_granularity): 'tensor' is not one of auto, "
+                 "layer, chunk"}},
         BadCase{"mlock",
                 {},
                 {{"SLIDEDP_MLOCK", "maybe"}},
@@ -768,6 +777,7 @@ TEST(ConfigTest, KeyListAndEnvNames) {
                         "numa_node",
                         "update_threads",
                         "isa",
+                        "update_granularity",
                         "mlock",
                         "shm_mode",
                         "shm_group",
@@ -777,7 +787,7 @@ TEST(ConfigTest, KeyListAndEnvNames) {
                         "heartbeat_deadline_ms"}) {
     EXPECT_NE(std::find(keys.begin(), keys.end(), k), keys.end()) << k;
   }
-  EXPECT_EQ(keys.size(), 33u);
+  EXPECT_EQ(keys.size(), 34u);
   EXPECT_EQ(ConfigEnvName("world_size"), "SLIDEDP_WORLD_SIZE");
 }
 

@@ -81,8 +81,9 @@ slidedp::v1::BuildInfo DaemonBuildInfo() {
   b.set_protocol_version(kProtocolVersion);
   b.set_shm_abi_version(kShmAbiVersion);
   b.set_component("hostd");
-  for (const char* f : {"cpu_reduction", "per_layer_clip", "global_clip", "lr_schedules",
-                        "nonfinite_skip", "nccl_rendezvous"}) {
+  for (const char* f :
+       {"cpu_reduction", "reduce_scatter", "chunk_streamed_update", "per_layer_clip", "global_clip",
+        "lr_schedules", "nonfinite_skip", "nccl_rendezvous"}) {
     b.add_features(f);
   }
   return b;
@@ -273,20 +274,34 @@ absl::Status Engine::CreateJobLocked(slidedp::v1::JobSpec spec, LoadedModel mode
   ro.grad_type = spec.optimizer().grad_dtype() == slidedp::v1::DTYPE_FP32
                      ? kernels::GradType::kFp32
                      : kernels::GradType::kBf16;
-  if (routes->grad_route() == slidedp::v1::GRAD_ROUTE_CPU_REDUCTION) {
-    for (uint32_t r = 0; r < spec.world_size(); ++r) ro.pushing_ranks.push_back(r);
-  } else {
-    ro.pushing_ranks.push_back(kGradPushingRank);  // the aggregated gradient comes from one rank
+  ro.granularity = config_.update_granularity == "layer"   ? GradientReducer::Granularity::kLayer
+                   : config_.update_granularity == "chunk" ? GradientReducer::Granularity::kChunk
+                                                           : GradientReducer::Granularity::kAuto;
+  switch (routes->grad_route()) {
+    case slidedp::v1::GRAD_ROUTE_REDUCE_SCATTER:
+      // Every rank pushes its shard of the aggregated gradient (shm::ShardOf).
+      ro.route = GradientReducer::Route::kShards;
+      for (uint32_t r = 0; r < spec.world_size(); ++r) ro.pushing_ranks.push_back(r);
+      break;
+    case slidedp::v1::GRAD_ROUTE_GPU_REDUCTION:
+      // One rank pushes the whole aggregated gradient: the one-shard case of the shard route.
+      ro.route = GradientReducer::Route::kShards;
+      ro.pushing_ranks.push_back(kGradPushingRank);
+      break;
+    default:
+      ro.route = GradientReducer::Route::kSum;
+      for (uint32_t r = 0; r < spec.world_size(); ++r) ro.pushing_ranks.push_back(r);
+      if (ro.granularity == GradientReducer::Granularity::kChunk) {
+        spdlog::warn(
+            "update_granularity is chunk, but grad_route cpu_reduction sums whole layers on the "
+            "host: every layer is updated whole");
+      }
+      break;
   }
   // The reducer calls the worker directly (never under mu_: lock order is engine, then reducer).
   reducer_ = std::make_unique<GradientReducer>(
-      state_.get(), pool_.get(), ro,
-      [this](uint32_t layer, uint64_t step, GradientRef grad, UpdateWorker::DoneFn done) {
-        return worker_->Submit(layer, step, grad, [this, done](const LayerUpdateResult& r) {
-          OnLayerDone(r);
-          if (done) done(r);
-        });
-      },
+      state_.get(), pool_.get(), worker_.get(), ro,
+      [this](const LayerUpdateResult& r) { OnLayerDone(r); },
       [this](uint64_t step, const std::string& reason) {
         absl::MutexLock lock(&mu_);
         if (running_step_ == step) AbortStepLocked(step, "gradient protocol error: " + reason);
@@ -373,7 +388,7 @@ absl::StatusOr<slidedp::v1::AttachRankResponse> Engine::AttachRank(
   layout->set_grad_ring_slots(state_->grad_ring_slots());
   layout->set_grad_dtype(job_->optimizer().grad_dtype());
   layout->set_grad_route(job_->routes().grad_route());
-  layout->set_grad_pushing_rank(kGradPushingRank);
+  layout->set_grad_pushing_rank(kGradPushingRank);  // GPU reduction only; RS: every rank pushes
   for (const auto& seg : state_->segments()) {
     if (seg.kind == shm::SegmentKind::kState) continue;  // hostd only
     auto* s = layout->add_segments();
@@ -442,6 +457,8 @@ absl::StatusOr<slidedp::v1::BeginStepResponse> Engine::BeginStep(
     return absl::FailedPreconditionError(
         absl::StrCat("rank ", r.rank(), " is not attached; attach before beginning a step"));
   }
+  RETURN_IF_ERROR(AwaitSealsLocked());
+  RETURN_IF_ERROR(CheckNotTornLocked());
   if (running_step_ != 0 && r.step() == running_step_ + 1) {
     // The previous step's last updates are still running: wait for them (bounded), so a fast
     // rank may call BeginStep as soon as it has pushed its last gradient.
@@ -496,7 +513,19 @@ void Engine::AbortStepLocked(uint64_t step, absl::string_view reason) {
     shm::Atomic(state_->layer_control(l).wake_seq).fetch_add(1, std::memory_order_acq_rel);
     FutexWakeAll(&state_->layer_control(l).wake_seq);
   }
+  seals_pending_++;
   worker_->AbortStep(step, [this, step] {
+    // On the worker thread, after every update of the step has finished or been dropped: the
+    // versions are final, so this is where a torn layer becomes known.
+    const std::vector<uint32_t> torn = worker_->TornLayers();
+    absl::MutexLock lock(&mu_);
+    seals_pending_--;
+    if (torn.size() > torn_layers_.size()) {
+      torn_layers_ = torn;
+      step_state_ = "torn";
+      spdlog::error("step {} was aborted in the middle of a chunk-granular update: {}", step,
+                    TornMessageLocked());
+    }
     shm::ControlBlock& c = state_->control();
     shm::Atomic(c.next_step).store(step + 1, std::memory_order_release);
     shm::Atomic(c.step_state).store(static_cast<uint64_t>(shm::StepState::kIdle));
@@ -505,6 +534,43 @@ void Engine::AbortStepLocked(uint64_t step, absl::string_view reason) {
   ev.mutable_step_aborted()->set_step(step);
   ev.mutable_step_aborted()->set_reason(std::string(reason));
   BroadcastLocked(ev);
+}
+
+std::string Engine::TornMessageLocked() const {
+  std::vector<std::string> layers;
+  for (uint32_t l : torn_layers_) {
+    shm::LayerControl& lc = state_->layer_control(l);
+    layers.push_back(absl::StrCat("layer ", l, " '", state_->layers()[l].name,
+                                  "' (committed_version ", shm::Atomic(lc.committed_version).load(),
+                                  ", pending_version ", shm::Atomic(lc.pending_version).load(),
+                                  ")"));
+  }
+  return absl::StrCat(
+      "the training state is torn: part of each of these layers was updated when its step was "
+      "aborted, so each holds a mix of two versions: ",
+      absl::StrJoin(layers, ", "),
+      ". No further step can run: restore the state from a checkpoint (update_granularity = layer "
+      "never tears, at the cost of the chunk-level overlap)");
+}
+
+absl::Status Engine::CheckNotTornLocked() const {
+  if (torn_layers_.empty()) return absl::OkStatus();
+  return absl::FailedPreconditionError(TornMessageLocked());
+}
+
+absl::Status Engine::AwaitSealsLocked() {
+  // An aborted step's versions are final only once the worker has sealed it; until then a new
+  // step's updates would find layers below the version they expect, and a torn layer would not
+  // be known yet. The seal waits at most for the one update in progress.
+  auto sealed = [this]()
+                    ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return seals_pending_ == 0 || !serving_; };
+  mu_.AwaitWithTimeout(absl::Condition(&sealed), absl::Seconds(60));
+  RETURN_IF_ERROR(CheckServing());
+  if (seals_pending_ != 0) {
+    return absl::UnavailableError(
+        "the aborted step's updates have not finished within 60 s; retry BeginStep");
+  }
+  return absl::OkStatus();
 }
 
 absl::Status Engine::AbortStep(const slidedp::v1::AbortStepRequest& r) {
@@ -543,6 +609,7 @@ absl::Status Engine::SubmitGradient(uint32_t layer, uint64_t step, GradientRef g
   {
     absl::MutexLock lock(&mu_);
     RETURN_IF_ERROR(CheckJob(""));
+    RETURN_IF_ERROR(CheckNotTornLocked());
     if (running_step_ == 0 && step == next_step_) {
       running_step_ = step;
       step_state_ = "running";

@@ -5,6 +5,12 @@
 // hostd/service.cc translates RPCs into calls on it; every method validates its input and returns
 // a Status with the most specific code and a message naming the field and the expected value.
 //
+// Torn state: with chunk-granular updates (update_granularity, see GradientReducer) a step
+// aborted in the middle of a layer's update leaves that layer torn. The engine then refuses
+// BeginStep (and SubmitGradient) with FAILED_PRECONDITION naming the torn layers and asking for a
+// restore from a checkpoint; GetStatus reports step_state "torn". Which path updated the layers is
+// counted in worker()->stats() (layer_updates_streamed / layer_updates_buffered).
+//
 // Thread safety: every public method may be called from any thread; job state is guarded by
 // mu_. Long work (AdamW, casts) runs on the update worker, never on the calling thread, except
 // in CreateJob, which initializes the state before it returns.
@@ -117,6 +123,11 @@ class Engine {
   absl::Status CheckJob(absl::string_view job_id) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
   absl::Status CheckServing() const ABSL_SHARED_LOCKS_REQUIRED(mu_);
   void AbortStepLocked(uint64_t step, absl::string_view reason) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Waits (bounded) until the worker has sealed every aborted step.
+  absl::Status AwaitSealsLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // FAILED_PRECONDITION naming the torn layers, if any.
+  absl::Status CheckNotTornLocked() const ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  std::string TornMessageLocked() const ABSL_SHARED_LOCKS_REQUIRED(mu_);
   void BroadcastLocked(const slidedp::v1::SessionEvent& ev) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void OnLayerDone(const LayerUpdateResult& r);
   void MonitorLoop();
@@ -147,6 +158,8 @@ class Engine {
   uint64_t steps_aborted_ ABSL_GUARDED_BY(mu_) = 0;
   double last_step_update_seconds_ ABSL_GUARDED_BY(mu_) = 0;
   double step_update_seconds_ ABSL_GUARDED_BY(mu_) = 0;
+  uint32_t seals_pending_ ABSL_GUARDED_BY(mu_) = 0;  // aborted steps the worker has not sealed
+  std::vector<uint32_t> torn_layers_ ABSL_GUARDED_BY(mu_);
   std::vector<double> last_grad_norm_ ABSL_GUARDED_BY(mu_);
   std::string comm_id_ ABSL_GUARDED_BY(mu_);
   uint64_t comm_generation_ ABSL_GUARDED_BY(mu_) = 0;

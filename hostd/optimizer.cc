@@ -3,11 +3,13 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstdlib>
 #include <numbers>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
 #include "common/thread_pool.h"
+#include "spdlog/spdlog.h"
 
 namespace slidedp::hostd {
 namespace {
@@ -121,6 +123,26 @@ UpdateStats UpdateWorker::stats() const {
   return stats_;
 }
 
+absl::Status UpdateWorker::CheckSubmitLocked(uint32_t layer, uint64_t step) {
+  if (stopping_) return absl::UnavailableError("update worker is stopping");
+  if (step <= aborted_through_) {
+    return absl::AbortedError(absl::StrCat("step ", step, " was aborted"));
+  }
+  const uint64_t version = state_->committed_version(layer);
+  if (version + 1 != step) {
+    return absl::FailedPreconditionError(absl::StrCat("step: layer ", layer, " is at version ",
+                                                      version, ", so the next update is step ",
+                                                      version + 1, "; got step ", step));
+  }
+  auto& seen = submitted_[step];
+  if (seen.empty()) seen.assign(state_->num_layers(), false);
+  if (seen[layer]) {
+    return absl::AlreadyExistsError(
+        absl::StrCat("gradient of layer ", layer, " for step ", step, " was already submitted"));
+  }
+  return absl::OkStatus();
+}
+
 absl::Status UpdateWorker::Submit(uint32_t layer, uint64_t step, GradientRef grad, DoneFn done) {
   if (layer >= state_->num_layers()) {
     return absl::NotFoundError(absl::StrCat("layer: ", layer, " does not exist; the model has ",
@@ -133,26 +155,84 @@ absl::Status UpdateWorker::Submit(uint32_t layer, uint64_t step, GradientRef gra
     return absl::InvalidArgumentError(absl::StrCat("gradient of layer ", layer, ": expected ",
                                                    numel, " elements, got ", grad.numel));
   }
-  const uint64_t version = state_->committed_version(layer);
+  absl::MutexLock lock(&mu_);
+  if (absl::Status s = CheckSubmitLocked(layer, step); !s.ok()) return s;
+  submitted_[step][layer] = true;
+  queue_.push_back(Item{.kind = ItemKind::kLayer,
+                        .layer = layer,
+                        .step = step,
+                        .grad = grad,
+                        .done = std::move(done)});
+  return absl::OkStatus();
+}
+
+absl::StatusOr<bool> UpdateWorker::BeginStreamedLayer(uint32_t layer, uint64_t step,
+                                                      double sum_squares, bool nonfinite,
+                                                      DoneFn done) {
+  if (layer >= state_->num_layers()) {
+    return absl::NotFoundError(absl::StrCat("layer: ", layer, " does not exist; the model has ",
+                                            state_->num_layers(), " layers (0..",
+                                            state_->num_layers() - 1, ")"));
+  }
+  if (!nonfinite && !(sum_squares >= 0 && std::isfinite(sum_squares))) {
+    return absl::InvalidArgumentError(absl::StrCat("sum_squares of layer ", layer,
+                                                   ": expected a finite value >= 0 for a finite "
+                                                   "gradient, got ",
+                                                   sum_squares));
+  }
+  absl::MutexLock lock(&mu_);
+  if (optimizer_.clip() == slidedp::v1::CLIP_POLICY_GLOBAL) return false;
+  if (absl::Status s = CheckSubmitLocked(layer, step); !s.ok()) return s;
+  submitted_[step][layer] = true;
+  open_streams_[layer] = OpenStream{step, 0};
+  queue_.push_back(Item{.kind = ItemKind::kStreamBegin,
+                        .layer = layer,
+                        .step = step,
+                        .done = std::move(done),
+                        .sum_squares = sum_squares,
+                        .nonfinite = nonfinite,
+                        .cfg = optimizer_});
+  return true;
+}
+
+absl::Status UpdateWorker::SubmitRange(uint32_t layer, uint64_t step, uint64_t offset,
+                                       GradientRef grad, std::function<void()> released) {
+  if (grad.data == nullptr || grad.numel == 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("range of layer ", layer, " at offset ", offset, ": data is null or empty"));
+  }
   absl::MutexLock lock(&mu_);
   if (stopping_) return absl::UnavailableError("update worker is stopping");
   if (step <= aborted_through_) {
     return absl::AbortedError(absl::StrCat("step ", step, " was aborted"));
   }
-  if (version + 1 != step) {
-    return absl::FailedPreconditionError(absl::StrCat("step: layer ", layer, " is at version ",
-                                                      version, ", so the next update is step ",
-                                                      version + 1, "; got step ", step));
+  auto it = open_streams_.find(layer);
+  if (it == open_streams_.end() || it->second.step != step) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "layer ", layer, ": no streamed update of step ", step, " is open (BeginStreamedLayer)"));
   }
-  auto& seen = submitted_[step];
-  if (seen.empty()) seen.assign(state_->num_layers(), false);
-  if (seen[layer]) {
-    return absl::AlreadyExistsError(
-        absl::StrCat("gradient of layer ", layer, " for step ", step, " was already submitted"));
+  const uint64_t numel = state_->layers()[layer].numel;
+  if (offset > numel || grad.numel > numel - offset ||
+      grad.numel > numel - it->second.elements_submitted) {
+    return absl::OutOfRangeError(
+        absl::StrCat("range of layer ", layer, ": [", offset, ", ", offset + grad.numel,
+                     ") exceeds the layer's ", numel, " elements or the ",
+                     numel - it->second.elements_submitted, " not yet submitted"));
   }
-  seen[layer] = true;
-  queue_.push_back(Item{layer, step, grad, std::move(done), nullptr});
+  it->second.elements_submitted += grad.numel;
+  if (it->second.elements_submitted == numel) open_streams_.erase(it);
+  queue_.push_back(Item{.kind = ItemKind::kStreamRange,
+                        .layer = layer,
+                        .step = step,
+                        .grad = grad,
+                        .released = std::move(released),
+                        .offset = offset});
   return absl::OkStatus();
+}
+
+std::vector<uint32_t> UpdateWorker::TornLayers() const {
+  absl::MutexLock lock(&mu_);
+  return torn_;
 }
 
 void UpdateWorker::AbortStep(uint64_t step, std::function<void()> sealed) {
@@ -176,13 +256,25 @@ void UpdateWorker::AbortStep(uint64_t step, std::function<void()> sealed) {
         ++it;
       }
     }
-    queue_.push_front(Item{kSealLayer, step, {}, nullptr, std::move(sealed)});
+    for (auto it = open_streams_.begin(); it != open_streams_.end();) {
+      it = it->second.step <= aborted_through_ ? open_streams_.erase(it) : std::next(it);
+    }
+    Item seal;
+    seal.kind = ItemKind::kSeal;
+    seal.step = step;
+    seal.sealed = std::move(sealed);
+    queue_.push_front(std::move(seal));
   }
   for (const Item& item : dropped) {
+    if (item.kind == ItemKind::kStreamRange) {
+      if (item.released) item.released();
+      continue;
+    }
     LayerUpdateResult r;
     r.layer = item.layer;
     r.step = item.step;
     r.aborted = true;
+    r.streamed = item.kind == ItemKind::kStreamBegin;
     if (item.done) item.done(r);
   }
 }
@@ -214,8 +306,9 @@ kernels::GradStats UpdateWorker::LayerStats(const GradientRef& grad) {
   return out;
 }
 
-void UpdateWorker::ApplyKernel(uint32_t layer, uint64_t step, const GradientRef& grad,
-                               double grad_scale, const slidedp::v1::OptimizerConfig& cfg) {
+std::vector<kernels::AdamWScalars> UpdateWorker::LayerScalars(
+    uint32_t layer, uint64_t step, double grad_scale,
+    const slidedp::v1::OptimizerConfig& cfg) const {
   const LayerInfo& info = state_->layers()[layer];
   const double lr = LearningRate(cfg, step);
   const bool use_no_decay = cfg.no_decay_norms_and_biases();
@@ -226,33 +319,47 @@ void UpdateWorker::ApplyKernel(uint32_t layer, uint64_t step, const GradientRef&
     scalars.push_back(
         kernels::MakeAdamWScalars(lr, cfg.beta1(), cfg.beta2(), cfg.eps(), wd, grad_scale, step));
   }
+  return scalars;
+}
+
+void UpdateWorker::ApplyRange(uint32_t layer, const std::vector<kernels::AdamWScalars>& scalars,
+                              const void* grad, kernels::GradType type, uint64_t begin,
+                              uint64_t end) {
+  const LayerInfo& info = state_->layers()[layer];
   float* master = state_->master(layer);
   float* m = state_->exp_avg(layer);
   float* v = state_->exp_avg_sq(layer);
   uint16_t* out = state_->params(layer);
-  const size_t elem = kernels::GradTypeBytes(grad.type);
-  const auto* g = static_cast<const char*>(grad.data);
+  const size_t elem = kernels::GradTypeBytes(type);
+  const auto* g = static_cast<const char*>(grad);
   // Thread ranges are cut at fixed element boundaries; each range is walked tensor by tensor
-  // so every element gets its own tensor's weight decay.
+  // so every element gets its own tensor's weight decay. The kernel is element-wise, so where
+  // the cuts fall (threads, chunks, streamed ranges) does not change a single bit.
   auto run_range = [&](size_t b, size_t e, int) {
     for (size_t ti = 0; ti < info.tensors.size(); ++ti) {
       const TensorRange& t = info.tensors[ti];
       const uint64_t lo = std::max<uint64_t>(b, t.offset);
       const uint64_t hi = std::min<uint64_t>(e, t.offset + t.numel);
       if (lo >= hi) continue;
-      kernels::AdamWUpdate(options_.isa, scalars[ti], g + lo * elem, grad.type, master + lo, m + lo,
-                           v + lo, out + lo, hi - lo);
+      kernels::AdamWUpdate(options_.isa, scalars[ti], g + (lo - begin) * elem, type, master + lo,
+                           m + lo, v + lo, out + lo, hi - lo);
     }
   };
   const uint64_t chunk = std::max<uint64_t>(options_.chunk_elements, kernels::kStatsBlock);
-  for (uint64_t c = 0; c < info.numel; c += chunk) {
-    const uint64_t len = std::min(chunk, info.numel - c);
+  for (uint64_t c = begin; c < end; c += chunk) {
+    const uint64_t len = std::min(chunk, end - c);
     if (pool_ != nullptr) {
       pool_->ParallelFor(len, 64, [&](size_t b, size_t e, int t) { run_range(c + b, c + e, t); });
     } else {
       run_range(c, c + len, 0);
     }
   }
+}
+
+void UpdateWorker::ApplyKernel(uint32_t layer, uint64_t step, const GradientRef& grad,
+                               double grad_scale, const slidedp::v1::OptimizerConfig& cfg) {
+  ApplyRange(layer, LayerScalars(layer, step, grad_scale, cfg), grad.data, grad.type, 0,
+             state_->layers()[layer].numel);
 }
 
 LayerUpdateResult UpdateWorker::UpdateLayerNow(uint32_t layer, uint64_t step,
@@ -292,18 +399,135 @@ LayerUpdateResult UpdateWorker::UpdateLayerNow(uint32_t layer, uint64_t step,
   } else {
     stats_.layer_updates_skipped++;
   }
+  stats_.layer_updates_buffered++;
   stats_.update_seconds_total += r.seconds;
   stats_.last_layer_seconds = r.seconds;
   return r;
 }
 
 void UpdateWorker::Seal(uint64_t step) {
+  // Streamed layers of aborted steps: AbortStep dropped their queued ranges and no more are
+  // accepted, so each is either untouched (sealed below like any other layer) or torn.
+  std::vector<std::pair<DoneFn, LayerUpdateResult>> finished;
+  std::vector<uint32_t> torn;
+  for (auto it = streams_.begin(); it != streams_.end();) {
+    if (it->second.step > step) {
+      ++it;
+      continue;
+    }
+    Stream& s = it->second;
+    s.result.aborted = true;
+    s.result.applied = false;
+    if (s.ranges_applied > 0) {
+      s.result.torn = true;
+      torn.push_back(it->first);
+    }
+    finished.emplace_back(std::move(s.done), s.result);
+    it = streams_.erase(it);
+  }
+  if (!torn.empty()) {
+    absl::MutexLock lock(&mu_);
+    torn_.insert(torn_.end(), torn.begin(), torn.end());
+    std::sort(torn_.begin(), torn_.end());
+    torn_.erase(std::unique(torn_.begin(), torn_.end()), torn_.end());
+    stats_.layers_torn += torn.size();
+  }
+  const std::vector<uint32_t> all_torn = TornLayers();
   for (uint32_t l = 0; l < state_->num_layers(); ++l) {
+    if (std::binary_search(all_torn.begin(), all_torn.end(), l)) continue;  // stays inconsistent
     if (state_->committed_version(l) < step) {
       state_->BeginLayerWrite(l, step);
       state_->PublishLayer(l, step);
     }
   }
+  for (auto& [done, result] : finished) {
+    if (done) done(result);
+  }
+}
+
+void UpdateWorker::BeginStream(Item& item) {
+  const auto t0 = Clock::now();
+  Stream s;
+  s.step = item.step;
+  s.done = std::move(item.done);
+  s.result.layer = item.layer;
+  s.result.step = item.step;
+  s.result.streamed = true;
+  const slidedp::v1::OptimizerConfig& cfg = item.cfg;
+  const double scale =
+      cfg.scale_by_world_size() ? 1.0 / static_cast<double>(state_->world_size()) : 1.0;
+  if (item.nonfinite) {
+    s.skip = true;
+    s.result.nonfinite = 1;
+    s.result.grad_norm = std::nan("");
+  } else {
+    // The same formulas as UpdateLayerNow, from the sum of squares the ranks sent.
+    s.result.grad_norm = std::sqrt(item.sum_squares) * scale;
+    double coef = 1.0;
+    if (cfg.clip() == slidedp::v1::CLIP_POLICY_PER_LAYER) {
+      coef = std::min(1.0, cfg.max_grad_norm() / (s.result.grad_norm + 1e-6));
+    }
+    s.result.clip_coef = coef;
+    s.scalars = LayerScalars(item.layer, item.step, scale * coef, cfg);
+  }
+  s.result.seconds = Seconds(t0, Clock::now());
+  streams_[item.layer] = std::move(s);
+}
+
+void UpdateWorker::ApplyStreamRange(Item& item) {
+  const auto t0 = Clock::now();
+  auto it = streams_.find(item.layer);
+  if (it == streams_.end() || it->second.step != item.step) {
+    // SubmitRange accepts ranges only after their layer's begin item, in queue order, and an
+    // abort drops both together; a range without its stream is a bug of this class.
+    spdlog::critical("update worker: range of layer {} step {} has no streamed update", item.layer,
+                     item.step);
+    std::abort();
+  }
+  Stream& s = it->second;
+  if (!s.skip) {
+    // pending_version marks the layer as being written from its first range on: an abort after
+    // this point leaves the layer torn, which the version words must show.
+    if (s.ranges_applied == 0) state_->BeginLayerWrite(item.layer, item.step);
+    ApplyRange(item.layer, s.scalars, item.grad.data, item.grad.type, item.offset,
+               item.offset + item.grad.numel);
+    s.ranges_applied++;
+  }
+  if (item.released) item.released();
+  s.elements_done += item.grad.numel;
+  s.result.seconds += Seconds(t0, Clock::now());
+  const uint64_t numel = state_->layers()[item.layer].numel;
+  {
+    absl::MutexLock lock(&mu_);
+    if (!s.skip) stats_.ranges_streamed++;
+  }
+  if (s.elements_done < numel) return;
+  const auto t1 = Clock::now();
+  if (s.skip) {
+    state_->BeginLayerWrite(item.layer, item.step);
+    shm::Atomic(state_->layer_control(item.layer).skipped_steps).fetch_add(1);
+  } else {
+    s.result.applied = true;
+  }
+  LayerUpdateResult r = s.result;
+  DoneFn done = std::move(s.done);
+  streams_.erase(it);
+  {
+    // Counted before the version is published, so whoever waits for the version sees them.
+    absl::MutexLock lock(&mu_);
+    if (r.applied) {
+      stats_.layer_updates++;
+      stats_.params_updated += numel;
+    } else {
+      stats_.layer_updates_skipped++;
+    }
+    stats_.layer_updates_streamed++;
+    stats_.update_seconds_total += r.seconds + Seconds(t1, Clock::now());
+    stats_.last_layer_seconds = r.seconds;
+  }
+  state_->PublishLayer(item.layer, item.step);
+  r.seconds += Seconds(t1, Clock::now());
+  if (done) done(r);
 }
 
 void UpdateWorker::Finish(const Item& item, LayerUpdateResult result) {
@@ -323,7 +547,7 @@ void UpdateWorker::Run() {
       if (queue_.empty()) return;  // stopping and drained
       Item item = std::move(queue_.front());
       queue_.pop_front();
-      if (item.layer == kSealLayer) {
+      if (item.kind != ItemKind::kLayer) {
         batch.push_back(std::move(item));
       } else {
         global = optimizer_.clip() == slidedp::v1::CLIP_POLICY_GLOBAL;
@@ -339,10 +563,19 @@ void UpdateWorker::Run() {
       }
       submitted_.erase(submitted_.begin(), submitted_.lower_bound(batch.front().step));
     }
-    if (batch[0].layer == kSealLayer) {
-      Seal(batch[0].step);
-      if (batch[0].sealed) batch[0].sealed();
-      continue;
+    switch (batch[0].kind) {
+      case ItemKind::kSeal:
+        Seal(batch[0].step);
+        if (batch[0].sealed) batch[0].sealed();
+        continue;
+      case ItemKind::kStreamBegin:
+        BeginStream(batch[0]);
+        continue;
+      case ItemKind::kStreamRange:
+        ApplyStreamRange(batch[0]);
+        continue;
+      case ItemKind::kLayer:
+        break;
     }
     if (!global) {
       LayerUpdateResult r = UpdateLayerNow(batch[0].layer, batch[0].step, batch[0].grad);

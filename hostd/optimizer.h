@@ -18,8 +18,23 @@
 //   5. PublishLayer(layer, t).
 // Gradients are the sum over ranks; grad_scale = 1/world_size when scale_by_world_size.
 //
-// Thread safety: Submit/AbortStep/SetOptimizer/Stats may be called from any thread. Updates run
-// on one internal thread (plus the pool); `done` callbacks run on that thread.
+// Streamed (chunk-granular) layers: when the layer's statistics are known before its gradient
+// has fully arrived (the ranks send them with their first chunk, proto/shm_abi.h), steps 1-3 run
+// once up front (BeginStreamedLayer) and step 4 runs range by range as the ranges arrive
+// (SubmitRange), reading each range where it lies (a ring slot) and releasing it when done; the
+// layer is published after its last range. The kernel is element-wise, so a layer updated in
+// ranges is bit-identical to the same layer updated whole with the same statistics. Global
+// clipping cannot stream (the norm needs every layer). The cost: an abort between a layer's first
+// and last range leaves that layer torn (some elements at version t, the rest at t - 1). A torn
+// layer is never published: its pending_version stays t != committed_version (the inconsistency
+// shm_abi.h defines), TornLayers() lists it, and only a restore from a checkpoint can make the
+// state consistent again. Whole-layer updates never tear (an update that has started completes).
+//
+// Thread safety: Submit/BeginStreamedLayer/SubmitRange/AbortStep/SetOptimizer/Stats may be
+// called from any thread. Updates (whole layers and ranges alike, in submission order) run on one
+// internal thread, which is the only caller of the pool's ParallelFor from this class; `done`,
+// `released` and `sealed` callbacks run on that thread (or, for work an abort drops, on the
+// thread that calls AbortStep), never under the worker's lock.
 #pragma once
 
 #include <condition_variable>
@@ -67,6 +82,10 @@ struct LayerUpdateResult {
   uint64_t step = 0;
   bool applied = false;  // false: skipped (non-finite) or aborted
   bool aborted = false;
+  bool torn = false;      // aborted after part of a streamed layer was written (see above)
+  bool streamed = false;  // updated range by range (BeginStreamedLayer)
+  // Whole layers: the count of NaN/Inf elements. Streamed layers: 1 when a rank flagged its part
+  // non-finite (the ranks send a flag, not a count), else 0.
   uint64_t nonfinite = 0;
   double grad_norm = 0;  // of the scaled (averaged) gradient; NaN when non-finite
   double clip_coef = 1;
@@ -76,6 +95,12 @@ struct LayerUpdateResult {
 struct UpdateStats {
   uint64_t layer_updates = 0;
   uint64_t layer_updates_skipped = 0;
+  // Which path ran, applied and skipped layers alike: whole layers (Submit, UpdateLayerNow) or
+  // range by range (BeginStreamedLayer); plus the ranges applied and the layers left torn.
+  uint64_t layer_updates_buffered = 0;
+  uint64_t layer_updates_streamed = 0;
+  uint64_t ranges_streamed = 0;
+  uint64_t layers_torn = 0;
   uint64_t params_updated = 0;
   double update_seconds_total = 0;
   double last_layer_seconds = 0;
@@ -106,12 +131,35 @@ class UpdateWorker {
   // gradient for `step` was already submitted.
   absl::Status Submit(uint32_t layer, uint64_t step, GradientRef grad, DoneFn done);
 
-  // Drops every queued, not-yet-started layer of steps <= `step` (their done() runs with
-  // aborted=true). A layer whose update has started completes (it is never left half-written).
-  // Then, in order after it, every layer still below version `step` is published at `step`
-  // with its state untouched, so each layer sits at a well-defined version and the job can
-  // continue with step + 1. `sealed` runs on the worker thread once that is done.
+  // Starts a streamed update of `layer` for `step` from the statistics of its aggregated,
+  // unscaled gradient: `sum_squares` (finite, >= 0, unless `nonfinite`) and whether any element
+  // is NaN/Inf. The clip coefficient (none or per layer, as for whole layers) and the optimizer
+  // config in effect now are fixed for every range of the layer. `done` runs once the layer is
+  // published (or skipped, or aborted). Errors as Submit; OK(false) when the clip policy is
+  // global, which cannot stream: nothing is recorded and the caller submits the layer whole.
+  absl::StatusOr<bool> BeginStreamedLayer(uint32_t layer, uint64_t step, double sum_squares,
+                                          bool nonfinite, DoneFn done);
+  // Queues the update of elements [offset, offset + grad.numel) of a layer begun with
+  // BeginStreamedLayer for `step`; grad.data points at element `offset` and must stay valid until
+  // `released` has run, which happens on the worker thread right after the range is written (or
+  // when an abort drops the range). Ranges of a layer must be disjoint and may come in any order;
+  // the layer is published when they cover it. FAILED_PRECONDITION: no streamed update of this
+  // layer and step is open; OUT_OF_RANGE: the range exceeds the layer or what is left of it;
+  // INVALID_ARGUMENT: null or empty range; ABORTED: the step was aborted.
+  absl::Status SubmitRange(uint32_t layer, uint64_t step, uint64_t offset, GradientRef grad,
+                           std::function<void()> released);
+
+  // Drops every queued, not-yet-started layer and range of steps <= `step` (their done() runs
+  // with aborted=true, dropped ranges are released). A whole-layer update that has started
+  // completes (it is never left half-written). Then, in order after it, every layer still below
+  // version `step` is published at `step` with its state untouched, so each layer sits at a
+  // well-defined version and the job can continue with step + 1 -- except a streamed layer that
+  // already had ranges written: it is torn, stays unpublished (pending_version != committed) and
+  // is listed by TornLayers(). `sealed` runs on the worker thread once that is done.
   void AbortStep(uint64_t step, std::function<void()> sealed = nullptr);
+  // Layers left torn by an aborted streamed update (ascending); empty while the state is
+  // consistent. Nothing clears it: the state must be restored from a checkpoint.
+  std::vector<uint32_t> TornLayers() const;
 
   // Takes effect for updates that start afterwards.
   void SetOptimizer(const slidedp::v1::OptimizerConfig& optimizer);
@@ -128,18 +176,53 @@ class UpdateWorker {
                                    const kernels::GradStats* stats = nullptr);
 
  private:
-  static constexpr uint32_t kSealLayer = UINT32_MAX;
+  enum class ItemKind {
+    kLayer,        // a whole layer's gradient
+    kSeal,         // publish every layer below `step` at `step` (AbortStep)
+    kStreamBegin,  // BeginStreamedLayer
+    kStreamRange,  // SubmitRange
+  };
   struct Item {
-    uint32_t layer;  // kSealLayer: publish every layer below `step` at `step`
-    uint64_t step;
+    ItemKind kind = ItemKind::kLayer;
+    uint32_t layer = 0;
+    uint64_t step = 0;
     GradientRef grad;
     DoneFn done;
-    std::function<void()> sealed;
+    std::function<void()> sealed;      // kSeal
+    std::function<void()> released;    // kStreamRange
+    uint64_t offset = 0;               // kStreamRange
+    double sum_squares = 0;            // kStreamBegin
+    bool nonfinite = false;            // kStreamBegin
+    slidedp::v1::OptimizerConfig cfg;  // kStreamBegin: the config the layer's ranges use
   };
+  // A streamed layer between its begin and its last range; confined to the worker thread.
+  struct Stream {
+    uint64_t step = 0;
+    bool skip = false;                           // non-finite: ranges are only released
+    std::vector<kernels::AdamWScalars> scalars;  // per tensor
+    uint64_t elements_done = 0;
+    uint64_t ranges_applied = 0;
+    LayerUpdateResult result;
+    DoneFn done;
+  };
+  // What submitters may still send for a streamed layer; guarded by mu_.
+  struct OpenStream {
+    uint64_t step = 0;
+    uint64_t elements_submitted = 0;
+  };
+
+  absl::Status CheckSubmitLocked(uint32_t layer, uint64_t step) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void Seal(uint64_t step);
+  void BeginStream(Item& item);
+  void ApplyStreamRange(Item& item);
 
   void Run();
   kernels::GradStats LayerStats(const GradientRef& grad);
+  std::vector<kernels::AdamWScalars> LayerScalars(uint32_t layer, uint64_t step, double grad_scale,
+                                                  const slidedp::v1::OptimizerConfig& cfg) const;
+  // The fused kernel over elements [begin, end) of `layer`; `grad` points at element `begin`.
+  void ApplyRange(uint32_t layer, const std::vector<kernels::AdamWScalars>& scalars,
+                  const void* grad, kernels::GradType type, uint64_t begin, uint64_t end);
   void ApplyKernel(uint32_t layer, uint64_t step, const GradientRef& grad, double grad_scale,
                    const slidedp::v1::OptimizerConfig& cfg);
   void Finish(const Item& item, LayerUpdateResult result);
@@ -154,11 +237,14 @@ class UpdateWorker {
   // For global clipping: the items of a step collected until every layer has arrived.
   std::map<uint64_t, std::vector<Item>> pending_global_ ABSL_GUARDED_BY(mu_);
   std::map<uint64_t, std::vector<bool>> submitted_ ABSL_GUARDED_BY(mu_);
+  std::map<uint32_t, OpenStream> open_streams_ ABSL_GUARDED_BY(mu_);  // by layer
+  std::vector<uint32_t> torn_ ABSL_GUARDED_BY(mu_);                   // ascending
   uint64_t aborted_through_ ABSL_GUARDED_BY(mu_) = 0;  // every step <= this is aborted
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   UpdateStats stats_ ABSL_GUARDED_BY(mu_);
-  std::thread thread_;              // started by Start, joined by Stop
-  std::vector<double> block_sums_;  // scratch of the update thread
+  std::map<uint32_t, Stream> streams_;  // by layer; worker thread only
+  std::thread thread_;                  // started by Start, joined by Stop
+  std::vector<double> block_sums_;      // scratch of the update thread
 };
 
 }  // namespace slidedp::hostd

@@ -1,11 +1,16 @@
 #include "hostd/optimizer.h"
 
+#include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <cmath>
 #include <cstring>
+#include <functional>
 #include <future>
 #include <limits>
 #include <numbers>
 #include <random>
+#include <thread>
 
 #include "common/thread_pool.h"
 #include "gtest/gtest.h"
@@ -340,6 +345,184 @@ TEST(UpdateWorkerTest, AbortDropsQueuedLayersAndSealsVersions) {
       f.worker->Submit(1, 2, {g1.data(), kernels::GradType::kBf16, g1.size()}, nullptr).ok());
   f.worker->Stop();
   EXPECT_EQ(f.state->committed_version(1), 2u);
+}
+
+// The sum of squares exactly as the worker's statistics pass computes it (kStatsBlock blocks
+// added in block order), so a streamed layer gets the same clip coefficient as a whole one.
+double WorkerSumSquares(const std::vector<uint16_t>& g) {
+  double total = 0;
+  for (size_t b = 0; b < g.size(); b += kernels::kStatsBlock) {
+    const size_t n = std::min<size_t>(kernels::kStatsBlock, g.size() - b);
+    total +=
+        kernels::ComputeGradStats(kernels::BestIsa(), g.data() + b, kernels::GradType::kBf16, n)
+            .sum_squares;
+  }
+  return total;
+}
+
+// Cuts [0, n) into uneven ranges (not aligned to anything) and shuffles them.
+std::vector<std::pair<uint64_t, uint64_t>> ShuffledRanges(uint64_t n, uint32_t seed) {
+  std::vector<std::pair<uint64_t, uint64_t>> ranges;
+  std::mt19937 rng(seed);
+  for (uint64_t b = 0; b < n;) {
+    const uint64_t len = std::min<uint64_t>(n - b, 1 + rng() % 3000);
+    ranges.emplace_back(b, len);
+    b += len;
+  }
+  std::shuffle(ranges.begin(), ranges.end(), rng);
+  return ranges;
+}
+
+void WaitFor(const std::function<bool()>& pred) {
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  while (!pred() && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+}
+
+TEST(UpdateWorkerStreamTest, RangesInAnyOrderAreBitIdenticalToTheWholeLayer) {
+  v1::OptimizerConfig cfg = BaseConfig();
+  cfg.set_clip(v1::CLIP_POLICY_PER_LAYER);
+  cfg.set_max_grad_norm(0.5);  // active: the norms are ~1e2
+  Fixture whole = Make(3, cfg, /*world_size=*/2, /*chunk_elements=*/4096);
+  Fixture streamed = Make(2, cfg, /*world_size=*/2, /*chunk_elements=*/8192);
+  streamed.worker->Start();
+  for (uint64_t step = 1; step <= 2; ++step) {
+    for (uint32_t l = 0; l < 2; ++l) {
+      auto g = RandomBf16(whole.state->layers()[l].numel, 31 * step + l);
+      const LayerUpdateResult want =
+          whole.worker->UpdateLayerNow(l, step, {g.data(), kernels::GradType::kBf16, g.size()});
+      ASSERT_LT(want.clip_coef, 1.0);
+      std::promise<LayerUpdateResult> got;
+      auto began = streamed.worker->BeginStreamedLayer(
+          l, step, WorkerSumSquares(g), false,
+          [&](const LayerUpdateResult& r) { got.set_value(r); });
+      ASSERT_TRUE(began.ok() && *began) << began.status();
+      std::atomic<int> released{0};
+      const auto ranges = ShuffledRanges(g.size(), static_cast<uint32_t>(step * 7 + l));
+      for (auto [b, n] : ranges) {
+        ASSERT_TRUE(streamed.worker
+                        ->SubmitRange(l, step, b, {g.data() + b, kernels::GradType::kBf16, n},
+                                      [&] { released++; })
+                        .ok());
+      }
+      const LayerUpdateResult r = got.get_future().get();
+      EXPECT_TRUE(r.applied);
+      EXPECT_TRUE(r.streamed);
+      EXPECT_EQ(r.clip_coef, want.clip_coef);
+      EXPECT_EQ(released.load(), static_cast<int>(ranges.size()));
+      EXPECT_EQ(streamed.state->committed_version(l), step);
+      EXPECT_EQ(streamed.state->LayerChecksum(l), whole.state->LayerChecksum(l))
+          << "layer " << l << " step " << step;
+    }
+  }
+  streamed.worker->Stop();
+  const UpdateStats st = streamed.worker->stats();
+  EXPECT_EQ(st.layer_updates_streamed, 4u);
+  EXPECT_EQ(st.layer_updates_buffered, 0u);
+  EXPECT_EQ(st.layer_updates, 4u);
+  EXPECT_EQ(whole.worker->stats().layer_updates_buffered, 4u);
+}
+
+TEST(UpdateWorkerStreamTest, NonFiniteSkipsTheLayerAndGlobalClipCannotStream) {
+  Fixture f = Make(2, BaseConfig());
+  f.worker->Start();
+  auto g = RandomBf16(f.state->layers()[1].numel, 3);
+  const uint64_t before = f.state->LayerChecksum(1);
+  std::promise<LayerUpdateResult> got;
+  auto began = f.worker->BeginStreamedLayer(1, 1, 0, /*nonfinite=*/true,
+                                            [&](const LayerUpdateResult& r) { got.set_value(r); });
+  ASSERT_TRUE(began.ok() && *began);
+  ASSERT_TRUE(
+      f.worker->SubmitRange(1, 1, 0, {g.data(), kernels::GradType::kBf16, 5000}, nullptr).ok());
+  ASSERT_TRUE(
+      f.worker->SubmitRange(1, 1, 5000, {g.data() + 5000, kernels::GradType::kBf16, 10000}, nullptr)
+          .ok());
+  const LayerUpdateResult r = got.get_future().get();
+  EXPECT_FALSE(r.applied);
+  EXPECT_EQ(r.nonfinite, 1u);
+  EXPECT_EQ(f.state->LayerChecksum(1), before);
+  EXPECT_EQ(f.state->committed_version(1), 1u);
+  EXPECT_EQ(f.state->layer_control(1).skipped_steps, 1u);
+  EXPECT_EQ(f.worker->stats().layer_updates_skipped, 1u);
+  EXPECT_EQ(f.worker->stats().layer_updates_streamed, 1u);
+
+  v1::OptimizerConfig global = BaseConfig();
+  global.set_clip(v1::CLIP_POLICY_GLOBAL);
+  global.set_max_grad_norm(1.0);
+  f.worker->SetOptimizer(global);
+  auto refused = f.worker->BeginStreamedLayer(1, 2, 1.0, false, nullptr);
+  ASSERT_TRUE(refused.ok());
+  EXPECT_FALSE(*refused);
+  // Nothing was recorded: the layer can still be submitted whole.
+  EXPECT_TRUE(f.worker->Submit(1, 2, {g.data(), kernels::GradType::kBf16, g.size()}, nullptr).ok());
+  f.worker->Stop();
+}
+
+TEST(UpdateWorkerStreamTest, SubmitRangeRejectsBadInput) {
+  Fixture f = Make(1, BaseConfig());
+  auto g = RandomBf16(f.state->layers()[1].numel, 3);
+  auto s = f.worker->SubmitRange(1, 1, 0, {g.data(), kernels::GradType::kBf16, 10}, nullptr);
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
+  auto began = f.worker->BeginStreamedLayer(1, 1, -1.0, false, nullptr);
+  EXPECT_EQ(began.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(began.status().message().find("sum_squares"), std::string::npos);
+  ASSERT_TRUE(*f.worker->BeginStreamedLayer(1, 1, 1.0, false, nullptr));
+  EXPECT_EQ(f.worker->BeginStreamedLayer(1, 1, 1.0, false, nullptr).status().code(),
+            absl::StatusCode::kAlreadyExists);
+  s = f.worker->SubmitRange(1, 1, 14995, {g.data(), kernels::GradType::kBf16, 10}, nullptr);
+  EXPECT_EQ(s.code(), absl::StatusCode::kOutOfRange) << s;
+  ASSERT_TRUE(
+      f.worker->SubmitRange(1, 1, 0, {g.data(), kernels::GradType::kBf16, 15000}, nullptr).ok());
+  s = f.worker->SubmitRange(1, 1, 0, {g.data(), kernels::GradType::kBf16, 1}, nullptr);
+  EXPECT_NE(s.code(), absl::StatusCode::kOk) << "the layer is fully submitted";
+  f.worker->Start();
+  f.worker->Stop();
+  EXPECT_EQ(f.state->committed_version(1), 1u);
+}
+
+TEST(UpdateWorkerStreamTest, AbortAfterSomeRangesTearsTheLayerAndLeavesItUnpublished) {
+  Fixture f = Make(2, BaseConfig());
+  f.worker->Start();
+  auto g = RandomBf16(f.state->layers()[1].numel, 5);
+  LayerUpdateResult last;
+  std::atomic<int> dones{0};
+  // Layer 0: begun, no range yet (not torn). Layer 1: one range applied (torn).
+  ASSERT_TRUE(*f.worker->BeginStreamedLayer(0, 1, 1.0, false, [&](const LayerUpdateResult& r) {
+    EXPECT_TRUE(r.aborted);
+    EXPECT_FALSE(r.torn);
+    dones++;
+  }));
+  ASSERT_TRUE(*f.worker->BeginStreamedLayer(1, 1, 1.0, false, [&](const LayerUpdateResult& r) {
+    last = r;
+    dones++;
+  }));
+  const uint64_t before0 = f.state->LayerChecksum(0);
+  const uint64_t before1 = f.state->LayerChecksum(1);
+  ASSERT_TRUE(
+      f.worker->SubmitRange(1, 1, 0, {g.data(), kernels::GradType::kBf16, 7000}, nullptr).ok());
+  WaitFor([&] { return f.worker->stats().ranges_streamed == 1; });
+  ASSERT_EQ(f.worker->stats().ranges_streamed, 1u);
+  std::promise<void> sealed;
+  f.worker->AbortStep(1, [&] { sealed.set_value(); });
+  sealed.get_future().wait();
+  EXPECT_EQ(dones.load(), 2);
+  EXPECT_TRUE(last.aborted);
+  EXPECT_TRUE(last.torn);
+  EXPECT_EQ(f.worker->TornLayers(), std::vector<uint32_t>{1});
+  EXPECT_EQ(f.worker->stats().layers_torn, 1u);
+  // Layer 1: written in part, never published: pending 1 != committed 0.
+  EXPECT_NE(f.state->LayerChecksum(1), before1);
+  EXPECT_EQ(f.state->committed_version(1), 0u);
+  EXPECT_EQ(f.state->layer_control(1).pending_version, 1u);
+  // Layer 0: untouched and sealed at the aborted step like any whole layer.
+  EXPECT_EQ(f.state->LayerChecksum(0), before0);
+  EXPECT_EQ(f.state->committed_version(0), 1u);
+  EXPECT_EQ(
+      f.worker->SubmitRange(1, 1, 7000, {g.data() + 7000, kernels::GradType::kBf16, 8000}, nullptr)
+          .code(),
+      absl::StatusCode::kAborted);
+  f.worker->Stop();
 }
 
 }  // namespace

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
@@ -47,12 +48,14 @@ void Accumulate(float* dst, const void* src, kernels::GradType type, uint64_t n,
 
 }  // namespace
 
-GradientReducer::GradientReducer(TrainingState* state, ThreadPool* pool, Options options,
-                                 SubmitFn submit, ErrorFn on_error)
+GradientReducer::GradientReducer(TrainingState* state, ThreadPool* pool, UpdateWorker* worker,
+                                 Options options, UpdateWorker::DoneFn on_layer_done,
+                                 ErrorFn on_error)
     : state_(state),
       pool_(pool),
+      worker_(worker),
       options_(std::move(options)),
-      submit_(std::move(submit)),
+      on_layer_done_(std::move(on_layer_done)),
       on_error_(std::move(on_error)),
       elem_bytes_(kernels::GradTypeBytes(options_.grad_type)),
       chunk_elems_(state->chunk_bytes() / kernels::GradTypeBytes(options_.grad_type)) {
@@ -61,6 +64,8 @@ GradientReducer::GradientReducer(TrainingState* state, ThreadPool* pool, Options
   absl::MutexLock lock(&mu_);
   for (Buffer& b : buffers_) b.data.resize(max_numel);
   reduced_.assign(state_->num_layers(), false);
+  cursors_.assign(options_.pushing_ranks.size(), Cursor{});
+  lent_.assign(size_t{state_->world_size()} * state_->grad_ring_slots(), false);
 }
 
 GradientReducer::~GradientReducer() { Stop(); }
@@ -92,28 +97,38 @@ void GradientReducer::Ring() {
   FutexWakeAll(&cb.doorbell);
 }
 
+void GradientReducer::ResetLayerLocked() {
+  if (current_buffer_ >= 0) buffers_[current_buffer_].busy = false;  // never submitted
+  current_buffer_ = -1;
+  current_layer_ = -1;
+  current_done_ = 0;
+  current_streamed_ = false;
+}
+
 void GradientReducer::Arm(uint64_t step) {
   {
     absl::MutexLock lock(&mu_);
     armed_step_ = step;
     next_seq_ = 0;
-    current_layer_ = -1;
-    current_done_ = 0;
-    if (current_buffer_ >= 0) buffers_[current_buffer_].busy = false;
-    current_buffer_ = -1;
+    cursors_.assign(options_.pushing_ranks.size(), Cursor{});
+    ResetLayerLocked();
     reduced_.assign(state_->num_layers(), false);
   }
   Ring();
 }
 
+void GradientReducer::EmptySlotLocked(uint32_t rank, uint32_t slot) {
+  // A lent slot's data is still being read by the worker: the rank must not refill it yet.
+  if (lent_[size_t{rank} * state_->grad_ring_slots() + slot]) return;
+  shm::ChunkSlot& cs = state_->chunk_slot(rank, slot);
+  shm::Atomic(cs.state).store(shm::kSlotEmpty, std::memory_order_release);
+  shm::Atomic(cs.wake_seq).fetch_add(1, std::memory_order_acq_rel);
+  FutexWakeAll(&cs.wake_seq);
+}
+
 void GradientReducer::ClearAllSlotsLocked() {
   for (uint32_t r = 0; r < state_->world_size(); ++r) {
-    for (uint32_t s = 0; s < state_->grad_ring_slots(); ++s) {
-      shm::ChunkSlot& cs = state_->chunk_slot(r, s);
-      shm::Atomic(cs.state).store(shm::kSlotEmpty, std::memory_order_release);
-      shm::Atomic(cs.wake_seq).fetch_add(1, std::memory_order_acq_rel);
-      FutexWakeAll(&cs.wake_seq);
-    }
+    for (uint32_t s = 0; s < state_->grad_ring_slots(); ++s) EmptySlotLocked(r, s);
   }
 }
 
@@ -121,9 +136,7 @@ void GradientReducer::Abort(uint64_t step) {
   absl::MutexLock lock(&mu_);
   if (armed_step_ != step) return;
   armed_step_ = 0;
-  if (current_buffer_ >= 0) buffers_[current_buffer_].busy = false;  // never submitted
-  current_buffer_ = -1;
-  current_layer_ = -1;
+  ResetLayerLocked();
   ClearAllSlotsLocked();
 }
 
@@ -133,20 +146,22 @@ void GradientReducer::FailLocked(const std::string& reason) {
   // Disarmed here, so no further chunk of the step is consumed; on_error_ (which aborts the
   // step through the engine and calls Abort) runs once mu_ is released (TryReduceOne).
   armed_step_ = 0;
-  if (current_buffer_ >= 0) buffers_[current_buffer_].busy = false;
-  current_buffer_ = -1;
-  current_layer_ = -1;
+  ResetLayerLocked();
   ClearAllSlotsLocked();
   pending_error_ = {step, reason};
 }
 
 void GradientReducer::ReleaseSlots(uint32_t slot) {
-  for (uint32_t r : options_.pushing_ranks) {
-    shm::ChunkSlot& cs = state_->chunk_slot(r, slot);
-    shm::Atomic(cs.state).store(shm::kSlotEmpty, std::memory_order_release);
-    shm::Atomic(cs.wake_seq).fetch_add(1, std::memory_order_acq_rel);
-    FutexWakeAll(&cs.wake_seq);
+  for (uint32_t r : options_.pushing_ranks) EmptySlotLocked(r, slot);
+}
+
+void GradientReducer::ReturnSlot(uint32_t rank, uint32_t slot) {
+  {
+    absl::MutexLock lock(&mu_);
+    lent_[size_t{rank} * state_->grad_ring_slots() + slot] = false;
+    EmptySlotLocked(rank, slot);
   }
+  Ring();  // the reducer may be waiting for this slot (its cursor came round to it)
 }
 
 bool GradientReducer::TryReduceOne() {
@@ -154,14 +169,38 @@ bool GradientReducer::TryReduceOne() {
   bool progress = false;
   {
     absl::MutexLock lock(&mu_);
-    progress = TryReduceOneLocked();
+    progress = options_.route == Route::kSum ? TrySumLocked() : TryShardsLocked();
     error = std::exchange(pending_error_, {0, ""});
   }
   if (!error.second.empty()) on_error_(error.first, error.second);
   return progress;
 }
 
-bool GradientReducer::TryReduceOneLocked() {
+void GradientReducer::SubmitBufferLocked(uint64_t numel) {
+  const int b = current_buffer_;
+  const auto layer = static_cast<uint32_t>(current_layer_);
+  reduced_[layer] = true;
+  current_buffer_ = -1;  // now the worker's, freed by the done callback
+  ResetLayerLocked();
+  absl::Status s = worker_->Submit(
+      layer, armed_step_, GradientRef{buffers_[b].data.data(), kernels::GradType::kFp32, numel},
+      [this, b](const LayerUpdateResult& r) {
+        {
+          absl::MutexLock l(&mu_);
+          buffers_[b].busy = false;
+        }
+        Ring();
+        if (on_layer_done_) on_layer_done_(r);
+      });
+  if (!s.ok()) {
+    buffers_[b].busy = false;
+    FailLocked(absl::StrCat("update of layer ", layer, " refused: ", s.ToString()));
+    return;
+  }
+  stats_.layers_buffered++;
+}
+
+bool GradientReducer::TrySumLocked() {
   if (armed_step_ == 0) return false;
   const uint32_t slots = state_->grad_ring_slots();
   const uint32_t slot = static_cast<uint32_t>(next_seq_ % slots);
@@ -170,9 +209,7 @@ bool GradientReducer::TryReduceOneLocked() {
     shm::ChunkSlot& cs = state_->chunk_slot(r, slot);
     if (shm::Atomic(cs.state).load(std::memory_order_acquire) != shm::kSlotFull) return false;
     if (cs.step < armed_step_) {  // left over from an aborted step
-      shm::Atomic(cs.state).store(shm::kSlotEmpty, std::memory_order_release);
-      shm::Atomic(cs.wake_seq).fetch_add(1, std::memory_order_acq_rel);
-      FutexWakeAll(&cs.wake_seq);
+      EmptySlotLocked(r, slot);
       return true;
     }
   }
@@ -253,30 +290,250 @@ bool GradientReducer::TryReduceOneLocked() {
   stats_.bytes_reduced += h0.numel * elem_bytes_ * options_.pushing_ranks.size();
   stats_.reduce_seconds +=
       std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  const uint32_t layer = h0.layer;
   current_done_ += h0.numel;
   ReleaseSlots(slot);
   next_seq_++;
   // 5. A complete layer goes to the update worker.
-  if (current_done_ == layer_numel) {
-    const int b = current_buffer_;
-    reduced_[layer] = true;
-    current_layer_ = -1;
-    current_buffer_ = -1;
-    absl::Status s =
-        submit_(layer, armed_step_,
-                GradientRef{buffers_[b].data.data(), kernels::GradType::kFp32, layer_numel},
-                [this, b](const LayerUpdateResult&) {
-                  {
-                    absl::MutexLock l(&mu_);
-                    buffers_[b].busy = false;
-                  }
-                  Ring();
-                });
-    if (!s.ok()) {
-      buffers_[b].busy = false;
-      FailLocked(absl::StrCat("update of layer ", layer, " refused: ", s.ToString()));
+  if (current_done_ == layer_numel) SubmitBufferLocked(layer_numel);
+  return true;
+}
+
+shm::ChunkSlot* GradientReducer::PeekLocked(size_t i, bool* progress) {
+  const uint32_t r = options_.pushing_ranks[i];
+  const uint32_t slots = state_->grad_ring_slots();
+  const auto slot = static_cast<uint32_t>(cursors_[i].next_seq % slots);
+  // Still lent: it holds chunk next_seq - slots (or one of an aborted step) until the worker has
+  // written it; the rank cannot have refilled it.
+  if (lent_[size_t{r} * slots + slot]) return nullptr;
+  shm::ChunkSlot& cs = state_->chunk_slot(r, slot);
+  if (shm::Atomic(cs.state).load(std::memory_order_acquire) != shm::kSlotFull) return nullptr;
+  if (cs.step < armed_step_) {  // left over from an aborted step
+    EmptySlotLocked(r, slot);
+    *progress = true;
+    return nullptr;
+  }
+  return &cs;
+}
+
+bool GradientReducer::CheckShardChunkLocked(size_t i, const shm::ChunkSlot& cs, uint32_t layer) {
+  const uint32_t r = options_.pushing_ranks[i];
+  const Cursor& c = cursors_[i];
+  if (cs.step != armed_step_ || cs.seq != c.next_seq) {
+    FailLocked(absl::StrCat("rank ", r, " pushed chunk (step ", cs.step, ", seq ", cs.seq,
+                            ") where (step ", armed_step_, ", seq ", c.next_seq, ") was expected"));
+    return false;
+  }
+  if (cs.layer != layer) {
+    FailLocked(absl::StrCat("rank ", r, ", chunk seq ", cs.seq, ": layer: got ", cs.layer,
+                            ", expected ", layer,
+                            " (the layer the ranks are on; every rank pushes layers in the same "
+                            "order)"));
+    return false;
+  }
+  if (cs.dtype != DTypeOf(options_.grad_type)) {
+    FailLocked(absl::StrCat("rank ", r, ", chunk seq ", cs.seq, ": dtype: got ", cs.dtype,
+                            ", expected ", DTypeOf(options_.grad_type)));
+    return false;
+  }
+  const uint64_t expect_offset = c.begin + c.done;
+  const uint64_t expect_numel = std::min(chunk_elems_, c.end - expect_offset);
+  const std::string shard = absl::StrCat("rank ", r, "'s shard of layer ", layer, " is [", c.begin,
+                                         ", ", c.end, "), ", c.done, " elements of it arrived");
+  if (cs.offset_elements != expect_offset) {
+    FailLocked(absl::StrCat("rank ", r, ", layer ", layer, " chunk seq ", cs.seq,
+                            ": offset_elements: got ", cs.offset_elements, ", expected ",
+                            expect_offset, " (", shard, ")"));
+    return false;
+  }
+  if (cs.numel != expect_numel) {
+    FailLocked(absl::StrCat("rank ", r, ", layer ", layer, " chunk seq ", cs.seq, ": numel: got ",
+                            cs.numel, ", expected ", expect_numel, " (", shard,
+                            cs.numel > chunk_elems_
+                                ? absl::StrCat("; a slot holds at most ", chunk_elems_, " elements")
+                                : std::string(),
+                            ")"));
+    return false;
+  }
+  return true;
+}
+
+bool GradientReducer::StartShardLayerLocked(bool* progress) {
+  shm::ChunkSlot* h = PeekLocked(0, progress);
+  if (h == nullptr) return false;
+  const uint32_t r0 = options_.pushing_ranks[0];
+  if (h->step != armed_step_ || h->seq != cursors_[0].next_seq) {
+    FailLocked(absl::StrCat("rank ", r0, " pushed chunk (step ", h->step, ", seq ", h->seq,
+                            ") where (step ", armed_step_, ", seq ", cursors_[0].next_seq,
+                            ") was expected"));
+    return false;
+  }
+  if (h->layer >= state_->num_layers()) {
+    FailLocked(absl::StrCat("rank ", r0, ", chunk seq ", h->seq, ": layer: got ", h->layer,
+                            ", expected a layer of the model (0..", state_->num_layers() - 1, ")"));
+    return false;
+  }
+  if (reduced_[h->layer]) {
+    FailLocked(absl::StrCat("rank ", r0, ", chunk seq ", h->seq, ": layer: got ", h->layer,
+                            ", but layer ", h->layer, " was already pushed in step ", armed_step_));
+    return false;
+  }
+  const uint32_t layer = h->layer;
+  const uint64_t numel = state_->layers()[layer].numel;
+  const auto parts = static_cast<uint32_t>(options_.pushing_ranks.size());
+  for (uint32_t i = 0; i < parts; ++i) {
+    const shm::ShardRange sh = shm::ShardOf(numel, parts, i);
+    cursors_[i].begin = sh.begin;
+    cursors_[i].end = sh.begin + sh.numel;
+    cursors_[i].done = 0;
+  }
+  // Streamed only if every contributing rank's first chunk carries the stats; so wait for all of
+  // them (each is already at its rank's cursor or on its way: the layers before are complete).
+  bool stream = options_.granularity != Granularity::kLayer;
+  std::string why_buffered = "update_granularity is layer";
+  double sum_squares = 0;
+  bool nonfinite = false;
+  if (stream) {
+    for (uint32_t i = 0; i < parts; ++i) {
+      if (cursors_[i].end == cursors_[i].begin) continue;  // empty shard: 0, finite, no chunk
+      shm::ChunkSlot* cs = PeekLocked(i, progress);
+      if (cs == nullptr) return false;
+      if (!CheckShardChunkLocked(i, *cs, layer)) return false;
+      const uint32_t r = options_.pushing_ranks[i];
+      if ((cs->flags & shm::kChunkFlagStats) == 0) {
+        stream = false;
+        why_buffered = absl::StrCat("rank ", r, "'s first chunk carries no stats");
+        break;
+      }
+      if ((cs->flags & shm::kChunkFlagNonFinite) != 0) {
+        nonfinite = true;
+      } else if (!(cs->stats_sumsq >= 0) || !std::isfinite(cs->stats_sumsq)) {
+        FailLocked(absl::StrCat(
+            "rank ", r, ", layer ", layer, " chunk seq ", cs->seq, ": stats_sumsq: got ",
+            cs->stats_sumsq, ", expected a finite sum of squares >= 0 (or kChunkFlagNonFinite)"));
+        return false;
+      } else {
+        sum_squares += cs->stats_sumsq;  // in rank order: deterministic
+      }
     }
+  }
+  if (stream) {
+    absl::StatusOr<bool> began = worker_->BeginStreamedLayer(
+        layer, armed_step_, nonfinite ? 0.0 : sum_squares, nonfinite, on_layer_done_);
+    if (!began.ok()) {
+      FailLocked(absl::StrCat("update of layer ", layer, " refused: ", began.status().ToString()));
+      return false;
+    }
+    if (!*began) {
+      stream = false;
+      why_buffered = "clip is global";
+    }
+  }
+  if (!stream) {
+    int free_buffer = -1;
+    for (int b = 0; b < 2; ++b) {
+      if (!buffers_[b].busy) free_buffer = b;
+    }
+    if (free_buffer < 0) return false;
+    buffers_[free_buffer].busy = true;
+    current_buffer_ = free_buffer;
+    if (options_.granularity == Granularity::kChunk && !warned_fallback_) {
+      warned_fallback_ = true;
+      spdlog::warn(
+          "update_granularity is chunk, but layer {} of step {} is updated whole: {} (logged "
+          "once)",
+          layer, armed_step_, why_buffered);
+    }
+  }
+  current_layer_ = layer;
+  current_streamed_ = stream;
+  return true;
+}
+
+bool GradientReducer::ConsumeShardChunkLocked(size_t i, shm::ChunkSlot& cs) {
+  const uint32_t r = options_.pushing_ranks[i];
+  Cursor& c = cursors_[i];
+  const uint32_t slots = state_->grad_ring_slots();
+  const auto slot = static_cast<uint32_t>(c.next_seq % slots);
+  const uint64_t n = cs.numel;
+  const uint64_t offset = cs.offset_elements;
+  const auto layer = static_cast<uint32_t>(current_layer_);
+  if (current_streamed_) {
+    // The worker reads the gradient where it lies; the slot stays full (the rank cannot reuse
+    // it) until ReturnSlot, which also bounds the ranges in flight to the ring size.
+    lent_[size_t{r} * slots + slot] = true;
+    absl::Status s =
+        worker_->SubmitRange(layer, armed_step_, offset,
+                             GradientRef{state_->grad_slot_data(r, slot), options_.grad_type, n},
+                             [this, r, slot] { ReturnSlot(r, slot); });
+    if (!s.ok()) {
+      lent_[size_t{r} * slots + slot] = false;
+      FailLocked(absl::StrCat("update of layer ", layer, " elements [", offset, ", ", offset + n,
+                              ") from rank ", r, " refused: ", s.ToString()));
+      return false;
+    }
+    stats_.chunks_streamed++;
+  } else {
+    const auto t0 = std::chrono::steady_clock::now();
+    float* dst = buffers_[current_buffer_].data.data() + offset;
+    const auto* src = static_cast<const char*>(state_->grad_slot_data(r, slot));
+    auto copy_range = [&](size_t b, size_t e, int) {
+      Accumulate(dst + b, src + b * elem_bytes_, options_.grad_type, e - b, /*first=*/true);
+    };
+    if (pool_ != nullptr && n >= kParallelReduceElems) {
+      pool_->ParallelFor(n, 64, copy_range);
+    } else {
+      copy_range(0, n, 0);
+    }
+    stats_.reduce_seconds +=
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    EmptySlotLocked(r, slot);
+  }
+  stats_.chunks_reduced++;
+  stats_.bytes_reduced += n * elem_bytes_;
+  c.done += n;
+  c.next_seq++;
+  return true;
+}
+
+bool GradientReducer::TryShardsLocked() {
+  if (armed_step_ == 0) return false;
+  bool progress = false;
+  if (current_layer_ < 0 && !StartShardLayerLocked(&progress)) {
+    return progress || armed_step_ == 0;  // armed_step_ == 0: failed, report it
+  }
+  const auto layer = static_cast<uint32_t>(current_layer_);
+  bool complete = true;
+  for (size_t i = 0; i < cursors_.size(); ++i) {
+    Cursor& c = cursors_[i];
+    while (c.done < c.end - c.begin) {
+      shm::ChunkSlot* cs = PeekLocked(i, &progress);
+      if (cs == nullptr) break;
+      if (!CheckShardChunkLocked(i, *cs, layer) || !ConsumeShardChunkLocked(i, *cs)) return true;
+      progress = true;
+    }
+    if (c.done < c.end - c.begin) {
+      complete = false;
+      continue;
+    }
+    // The rank's shard is complete, so its next chunk must be of a later layer; one of this
+    // layer means it pushed more than its shard.
+    const shm::ChunkSlot* next = PeekLocked(i, &progress);
+    if (next != nullptr && next->step == armed_step_ && next->layer == layer) {
+      FailLocked(absl::StrCat("rank ", options_.pushing_ranks[i], ", layer ", layer, " chunk seq ",
+                              next->seq, ": offset_elements: got ", next->offset_elements,
+                              " with numel ", next->numel, ", expected nothing more (its shard [",
+                              c.begin, ", ", c.end, ") is complete)"));
+      return true;
+    }
+  }
+  if (!complete) return progress;
+  if (current_streamed_) {
+    // The worker publishes the layer after its last range; nothing is left to do here.
+    reduced_[layer] = true;
+    stats_.layers_streamed++;
+    ResetLayerLocked();
+  } else {
+    SubmitBufferLocked(state_->layers()[layer].numel);
   }
   return true;
 }
