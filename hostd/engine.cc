@@ -830,6 +830,9 @@ absl::StatusOr<slidedp::v1::GetStatsResponse> Engine::GetStats(
   }
   resp.set_isa(std::string(kernels::IsaName(isa_)));
   resp.set_update_threads(static_cast<int32_t>(worker_cpus_.size()));
+  resp.set_layer_updates_streamed(ws.layer_updates_streamed);
+  resp.set_layer_updates_buffered(ws.layer_updates_buffered);
+  resp.set_layers_torn(ws.layers_torn);
   return resp;
 }
 

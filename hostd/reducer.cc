@@ -62,6 +62,8 @@ GradientReducer::GradientReducer(TrainingState* state, ThreadPool* pool, UpdateW
   uint64_t max_numel = 0;
   for (const LayerInfo& l : state_->layers()) max_numel = std::max(max_numel, l.numel);
   absl::MutexLock lock(&mu_);
+  buffer_elems_ = max_numel;
+  buffers_.resize(2);
   for (Buffer& b : buffers_) b.data.resize(max_numel);
   reduced_.assign(state_->num_layers(), false);
   cursors_.assign(options_.pushing_ranks.size(), Cursor{});
@@ -260,12 +262,8 @@ bool GradientReducer::TrySumLocked() {
   }
   // 3. A buffer for a new layer (wait while the worker holds both).
   if (current_layer_ < 0) {
-    int free_buffer = -1;
-    for (int b = 0; b < 2; ++b) {
-      if (!buffers_[b].busy) free_buffer = b;
-    }
+    const int free_buffer = AcquireBufferLocked();
     if (free_buffer < 0) return false;
-    buffers_[free_buffer].busy = true;
     current_buffer_ = free_buffer;
     current_layer_ = h0.layer;
     current_done_ = 0;
@@ -429,12 +427,8 @@ bool GradientReducer::StartShardLayerLocked(bool* progress) {
     }
   }
   if (!stream) {
-    int free_buffer = -1;
-    for (int b = 0; b < 2; ++b) {
-      if (!buffers_[b].busy) free_buffer = b;
-    }
+    const int free_buffer = AcquireBufferLocked();
     if (free_buffer < 0) return false;
-    buffers_[free_buffer].busy = true;
     current_buffer_ = free_buffer;
     if (options_.granularity == Granularity::kChunk && !warned_fallback_) {
       warned_fallback_ = true;
@@ -536,6 +530,25 @@ bool GradientReducer::TryShardsLocked() {
     SubmitBufferLocked(state_->layers()[layer].numel);
   }
   return true;
+}
+
+int GradientReducer::AcquireBufferLocked() {
+  for (size_t b = 0; b < buffers_.size(); ++b) {
+    if (!buffers_[b].busy) {
+      buffers_[b].busy = true;
+      return static_cast<int>(b);
+    }
+  }
+  if (worker_ != nullptr && worker_->optimizer().clip() == slidedp::v1::CLIP_POLICY_GLOBAL &&
+      buffers_.size() < state_->num_layers()) {
+    buffers_.emplace_back();
+    buffers_.back().data.resize(buffer_elems_);
+    buffers_.back().busy = true;
+    spdlog::info("global clipping: gradient buffer {} of {} allocated ({} MiB)", buffers_.size(),
+                 state_->num_layers(), buffer_elems_ * 4 >> 20);
+    return static_cast<int>(buffers_.size() - 1);
+  }
+  return -1;
 }
 
 void GradientReducer::Run() {

@@ -130,6 +130,8 @@ class GradientReducer {
   };
 
   void Run();
+  // A free layer buffer (marked busy), or -1 while the worker holds them all.
+  int AcquireBufferLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Makes progress on the armed step if it can; returns true if it did.
   bool TryReduceOne();
   bool TrySumLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -181,7 +183,10 @@ class GradientReducer {
   // being read, so nothing may empty them until ReturnSlot.
   std::vector<bool> lent_ ABSL_GUARDED_BY(mu_);
   bool warned_fallback_ ABSL_GUARDED_BY(mu_) = false;
-  Buffer buffers_[2] ABSL_GUARDED_BY(mu_);
+  // Two layer buffers; with global clipping the worker holds every layer of the step until the
+  // last one arrives, so more are added on demand, up to one per layer (+4 B per parameter).
+  std::vector<Buffer> buffers_ ABSL_GUARDED_BY(mu_);
+  uint64_t buffer_elems_ = 0;
   Stats stats_ ABSL_GUARDED_BY(mu_);
   // Set by FailLocked; reported through on_error_ once mu_ is released.
   std::pair<uint64_t, std::string> pending_error_ ABSL_GUARDED_BY(mu_);

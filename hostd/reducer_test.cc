@@ -519,11 +519,14 @@ TEST(GpuRouteTest, GlobalClipFallsBackToBuffered) {
   Rig rig(o);
   rig.reducer->Arm(1);
   rig.ranks[0].BeginStep();
-  for (uint32_t l : {2u, 1u}) {
+  // Every layer: the worker holds each layer's gradient until the last one arrives (the global
+  // norm), so the reducer needs a buffer per layer, not two.
+  for (uint32_t l : {2u, 1u, 0u}) {
     const std::vector<float> g = Gradient(1, l, rig.numel(l));
     ASSERT_TRUE(rig.ranks[0].PushRange(1, l, 0, g.size(), g.data(), {}).ok());
   }
-  ASSERT_TRUE(WaitUntil([&] { return rig.reducer->stats().layers_buffered == 2; }));
+  ASSERT_TRUE(WaitUntil([&] { return rig.reducer->stats().layers_buffered == 3; }));
+  ASSERT_TRUE(WaitUntil([&] { return rig.worker->stats().layer_updates == 3; }));
   EXPECT_EQ(rig.reducer->stats().layers_streamed, 0u);
   EXPECT_EQ(rig.worker->stats().ranges_streamed, 0u);
   EXPECT_TRUE(rig.Errors().empty());
