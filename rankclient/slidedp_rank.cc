@@ -9,10 +9,24 @@
 #include "absl/strings/str_cat.h"
 #include "hostd/manifest.h"
 #include "rankclient/rank_client.h"
+#ifdef SLIDEDP_RANK_WITH_GPU
+#include <map>
+
+#include "rankclient/gpu_plane.h"
+#endif
 
 struct slidedp_rank {
   std::unique_ptr<slidedp::rankclient::RankClient> client;
 };
+
+#ifdef SLIDEDP_RANK_WITH_GPU
+struct slidedp_gpu_plane {
+  std::unique_ptr<slidedp::rankclient::GpuDataPlane> plane;
+  std::map<uint32_t, slidedp::rankclient::GpuDataPlane::Slot> held;  // by slot index
+};
+#else
+struct slidedp_gpu_plane {};
+#endif
 
 namespace {
 
@@ -180,5 +194,160 @@ int slidedp_rank_wait_step(slidedp_rank* h, uint64_t step, uint32_t timeout_ms) 
     return s.ok() ? Ok() : Fail(s);
   });
 }
+
+#ifdef SLIDEDP_RANK_WITH_GPU
+#define SLIDEDP_CHECK_PLANE(p) \
+  if ((p) == nullptr) return Fail(absl::StatusCode::kInvalidArgument, "plane handle is null")
+
+int slidedp_rank_has_gpu(void) { return 1; }
+
+int slidedp_gpu_plane_create(slidedp_rank* h, const slidedp_gpu_plane_options* o,
+                             slidedp_gpu_plane** out) {
+  SLIDEDP_CHECK_HANDLE(h);
+  return Guard([&] {
+    if (o == nullptr || out == nullptr) {
+      return Fail(absl::StatusCode::kInvalidArgument, "options and out must be non-null");
+    }
+    if (o->abi_version != SLIDEDP_RANK_ABI_VERSION) {
+      return Fail(absl::StatusCode::kFailedPrecondition,
+                  absl::StrCat("abi_version: the caller was built for ", o->abi_version,
+                               ", this library is ", SLIDEDP_RANK_ABI_VERSION));
+    }
+    if (o->param_route < 0 || o->param_route > 2) {
+      return Fail(absl::StatusCode::kInvalidArgument,
+                  absl::StrCat("param_route: ", o->param_route,
+                               ", expected 0 or 1 (replicated) or 2 (sharded)"));
+    }
+    slidedp::rankclient::GpuDataPlane::Options po;
+    po.device = o->device;
+    if (o->window_slots != 0) po.window_slots = o->window_slots;
+    if (o->h2d_chunk_bytes != 0) po.h2d_chunk_bytes = o->h2d_chunk_bytes;
+    po.param_route = o->param_route == 2 ? slidedp::v1::PARAM_ROUTE_SHARDED
+                                         : slidedp::v1::PARAM_ROUTE_REPLICATED;
+    po.reduce_in_fp32 = o->reduce_in_fp32 != 0;
+    po.comm = static_cast<ncclComm_t>(o->nccl_comm);
+    auto plane = slidedp::rankclient::GpuDataPlane::Create(h->client.get(), po);
+    if (!plane.ok()) return Fail(plane.status());
+    auto* p = new slidedp_gpu_plane;
+    p->plane = std::move(*plane);
+    *out = p;
+    return Ok();
+  });
+}
+
+int slidedp_gpu_plane_destroy(slidedp_gpu_plane* p) {
+  return Guard([&] {
+    delete p;
+    return Ok();
+  });
+}
+
+int slidedp_gpu_begin_step(slidedp_gpu_plane* p, uint64_t step, uint32_t timeout_ms) {
+  SLIDEDP_CHECK_PLANE(p);
+  return Guard([&] {
+    absl::Status s = p->plane->BeginStep(step, Ms(timeout_ms));
+    return s.ok() ? Ok() : Fail(s);
+  });
+}
+
+int slidedp_gpu_fetch(slidedp_gpu_plane* p, uint32_t layer, uint64_t version, uint32_t timeout_ms,
+                      uint32_t* slot, void** data, uint64_t* numel) {
+  SLIDEDP_CHECK_PLANE(p);
+  return Guard([&] {
+    if (slot == nullptr || data == nullptr) {
+      return Fail(absl::StatusCode::kInvalidArgument, "slot and data must be non-null");
+    }
+    auto s = p->plane->Fetch(layer, version, Ms(timeout_ms));
+    if (!s.ok()) return Fail(s.status());
+    p->held[s->index] = *s;
+    *slot = s->index;
+    *data = s->data;
+    if (numel != nullptr) *numel = s->numel;
+    return Ok();
+  });
+}
+
+int slidedp_gpu_wait_slot(slidedp_gpu_plane* p, uint32_t slot, void* stream) {
+  SLIDEDP_CHECK_PLANE(p);
+  return Guard([&] {
+    auto it = p->held.find(slot);
+    if (it == p->held.end()) {
+      return Fail(absl::StatusCode::kFailedPrecondition,
+                  absl::StrCat("slot: ", slot, " is not held (fetch first)"));
+    }
+    absl::Status s = p->plane->WaitSlot(it->second, static_cast<cudaStream_t>(stream));
+    return s.ok() ? Ok() : Fail(s);
+  });
+}
+
+int slidedp_gpu_release_slot(slidedp_gpu_plane* p, uint32_t slot, void* stream) {
+  SLIDEDP_CHECK_PLANE(p);
+  return Guard([&] {
+    auto it = p->held.find(slot);
+    if (it == p->held.end()) {
+      return Fail(absl::StatusCode::kFailedPrecondition,
+                  absl::StrCat("slot: ", slot, " is not held (fetch first)"));
+    }
+    const slidedp::rankclient::GpuDataPlane::Slot held = it->second;
+    p->held.erase(it);
+    absl::Status s = p->plane->ReleaseSlot(held, static_cast<cudaStream_t>(stream));
+    return s.ok() ? Ok() : Fail(s);
+  });
+}
+
+int slidedp_gpu_push_grad(slidedp_gpu_plane* p, uint64_t step, uint32_t layer, const void* grad,
+                          int dtype, void* stream, uint32_t timeout_ms) {
+  SLIDEDP_CHECK_PLANE(p);
+  return Guard([&] {
+    absl::Status s = p->plane->PushGrad(step, layer, grad, dtype, static_cast<cudaStream_t>(stream),
+                                        Ms(timeout_ms));
+    return s.ok() ? Ok() : Fail(s);
+  });
+}
+
+int slidedp_gpu_wait_grad_consumed(slidedp_gpu_plane* p, uint32_t layer, void* stream) {
+  SLIDEDP_CHECK_PLANE(p);
+  return Guard([&] {
+    absl::Status s = p->plane->WaitGradConsumed(layer, static_cast<cudaStream_t>(stream));
+    return s.ok() ? Ok() : Fail(s);
+  });
+}
+
+int slidedp_gpu_wait_pushes(slidedp_gpu_plane* p, uint32_t timeout_ms) {
+  SLIDEDP_CHECK_PLANE(p);
+  return Guard([&] {
+    absl::Status s = p->plane->WaitPushes(Ms(timeout_ms));
+    return s.ok() ? Ok() : Fail(s);
+  });
+}
+
+#else  // !SLIDEDP_RANK_WITH_GPU
+
+namespace {
+int NoGpu() {
+  return Fail(absl::StatusCode::kUnimplemented,
+              "this libslidedp_rank was built without CUDA (SLIDEDP_CUDA=OFF)");
+}
+}  // namespace
+
+int slidedp_rank_has_gpu(void) { return 0; }
+int slidedp_gpu_plane_create(slidedp_rank*, const slidedp_gpu_plane_options*, slidedp_gpu_plane**) {
+  return NoGpu();
+}
+int slidedp_gpu_plane_destroy(slidedp_gpu_plane*) { return NoGpu(); }
+int slidedp_gpu_begin_step(slidedp_gpu_plane*, uint64_t, uint32_t) { return NoGpu(); }
+int slidedp_gpu_fetch(slidedp_gpu_plane*, uint32_t, uint64_t, uint32_t, uint32_t*, void**,
+                      uint64_t*) {
+  return NoGpu();
+}
+int slidedp_gpu_wait_slot(slidedp_gpu_plane*, uint32_t, void*) { return NoGpu(); }
+int slidedp_gpu_release_slot(slidedp_gpu_plane*, uint32_t, void*) { return NoGpu(); }
+int slidedp_gpu_push_grad(slidedp_gpu_plane*, uint64_t, uint32_t, const void*, int, void*,
+                          uint32_t) {
+  return NoGpu();
+}
+int slidedp_gpu_wait_grad_consumed(slidedp_gpu_plane*, uint32_t, void*) { return NoGpu(); }
+int slidedp_gpu_wait_pushes(slidedp_gpu_plane*, uint32_t) { return NoGpu(); }
+#endif
 
 }  // extern "C"

@@ -74,6 +74,52 @@ SLIDEDP_RANK_EXPORT int slidedp_rank_push_grad(slidedp_rank* h, uint64_t step, u
                                                uint32_t timeout_ms);
 SLIDEDP_RANK_EXPORT int slidedp_rank_wait_step(slidedp_rank* h, uint64_t step, uint32_t timeout_ms);
 
+/* ---- The GPU data plane (rankclient/gpu_plane.h) ----
+ * Present when the library was built with CUDA (slidedp_rank_has_gpu() returns 1); otherwise
+ * every slidedp_gpu_* call returns 12 (UNIMPLEMENTED). Device pointers and streams are passed as
+ * void* (a cudaStream_t; NULL is the legacy default stream), so a caller needs no CUDA headers:
+ * from PyTorch, tensor.data_ptr() and torch.cuda.current_stream().cuda_stream.
+ *
+ * A step:
+ *   slidedp_gpu_begin_step(p, t, ...);
+ *   forward:  slidedp_gpu_fetch(p, l, t - 1, ..., &slot, &ptr, &numel) a few layers ahead;
+ *             slidedp_gpu_wait_slot(p, slot, stream); compute with ptr (BF16, numel elements);
+ *             slidedp_gpu_release_slot(p, slot, stream);
+ *   backward: compute grad_l; slidedp_gpu_push_grad(p, t, l, grad_l, dtype, stream, ...);
+ *             before overwriting grad_l: slidedp_gpu_wait_grad_consumed(p, l, stream);
+ *   slidedp_gpu_wait_pushes(p, ...); slidedp_rank_wait_step(h, t, ...). */
+typedef struct slidedp_gpu_plane slidedp_gpu_plane;
+
+typedef struct slidedp_gpu_plane_options {
+  uint32_t abi_version;     /* SLIDEDP_RANK_ABI_VERSION */
+  int32_t device;           /* CUDA device */
+  uint32_t window_slots;    /* GPU window slots; 0: 3 */
+  uint64_t h2d_chunk_bytes; /* 0: 64 MiB */
+  int32_t param_route;      /* 0 or 1 replicated, 2 sharded (equal on every rank) */
+  int32_t reduce_in_fp32; /* widen BF16 gradients before a collective (1, the default) or not (0) */
+  void* nccl_comm;        /* an existing ncclComm_t of the job's ranks, or NULL */
+} slidedp_gpu_plane_options;
+
+SLIDEDP_RANK_EXPORT int slidedp_rank_has_gpu(void);
+/* The rank handle must outlive the plane. */
+SLIDEDP_RANK_EXPORT int slidedp_gpu_plane_create(slidedp_rank* h,
+                                                 const slidedp_gpu_plane_options* options,
+                                                 slidedp_gpu_plane** out);
+SLIDEDP_RANK_EXPORT int slidedp_gpu_plane_destroy(slidedp_gpu_plane* p);
+SLIDEDP_RANK_EXPORT int slidedp_gpu_begin_step(slidedp_gpu_plane* p, uint64_t step,
+                                               uint32_t timeout_ms);
+SLIDEDP_RANK_EXPORT int slidedp_gpu_fetch(slidedp_gpu_plane* p, uint32_t layer, uint64_t version,
+                                          uint32_t timeout_ms, uint32_t* slot, void** data,
+                                          uint64_t* numel);
+SLIDEDP_RANK_EXPORT int slidedp_gpu_wait_slot(slidedp_gpu_plane* p, uint32_t slot, void* stream);
+SLIDEDP_RANK_EXPORT int slidedp_gpu_release_slot(slidedp_gpu_plane* p, uint32_t slot, void* stream);
+SLIDEDP_RANK_EXPORT int slidedp_gpu_push_grad(slidedp_gpu_plane* p, uint64_t step, uint32_t layer,
+                                              const void* grad, int dtype, void* stream,
+                                              uint32_t timeout_ms);
+SLIDEDP_RANK_EXPORT int slidedp_gpu_wait_grad_consumed(slidedp_gpu_plane* p, uint32_t layer,
+                                                       void* stream);
+SLIDEDP_RANK_EXPORT int slidedp_gpu_wait_pushes(slidedp_gpu_plane* p, uint32_t timeout_ms);
+
 #ifdef __cplusplus
 }
 #endif
