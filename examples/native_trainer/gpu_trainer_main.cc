@@ -52,13 +52,12 @@ using rankclient::RankClient;
 constexpr auto kJobWait = std::chrono::seconds(30);
 constexpr int kFp32 = 1;
 
-struct GpuTrainerFlags {
+struct GpuTrainerFlags : RankFlags {
+  GpuTrainerFlags() {
+    chunk_bytes = 1 << 20;
+    timeout_ms = 120000;
+  }
   MlpRunFlags run;
-  std::string socket;
-  uint32_t rank = 0;
-  bool create_job = false;
-  uint64_t chunk_bytes = 1 << 20;
-  uint32_t timeout_ms = 120000;
   int gpu = 0;
   std::string grad_route = "cpu_reduction";
   std::string param_route = "replicated";
@@ -69,12 +68,6 @@ struct GpuTrainerFlags {
 };
 
 double Ms(Clock::duration d) { return std::chrono::duration<double, std::milli>(d).count(); }
-
-bool JobNotReady(const absl::Status& s) {
-  return absl::IsUnavailable(s) ||
-         (absl::IsFailedPrecondition(s) &&
-          absl::StrContains(s.message(), "attach before the model exists"));
-}
 
 class GpuTrainer {
  public:
@@ -302,13 +295,6 @@ absl::Status GpuTrainer::Run() {
   return client_->Detach();
 }
 
-int ExitCode(const absl::Status& s) {
-  if (s.ok()) return 0;
-  if (absl::IsAborted(s)) return 3;
-  if (absl::IsUnavailable(s)) return 4;
-  return 1;
-}
-
 }  // namespace
 }  // namespace slidedp::examples
 
@@ -317,13 +303,7 @@ int main(int argc, char** argv) {
   GpuTrainerFlags f;
   CLI::App app{"native_gpu_trainer: one rank of the native MLP trainer on a GPU through hostd"};
   slidedp::examples::AddMlpRunFlags(app, &f.run);
-  app.add_option("--socket", f.socket, "hostd's unix socket")->required();
-  app.add_option("--rank", f.rank, "This process's rank, 0..R-1")->capture_default_str();
-  app.add_flag("--create-job", f.create_job, "Create hostd's job from this model first");
-  app.add_option("--chunk-bytes", f.chunk_bytes, "Gradient ring slot size (with --create-job)")
-      ->capture_default_str();
-  app.add_option("--timeout-ms", f.timeout_ms, "Timeout of every wait and RPC")
-      ->capture_default_str();
+  slidedp::examples::AddRankFlags(app, &f);
   app.add_option("--gpu", f.gpu, "CUDA device")->capture_default_str();
   app.add_option("--grad-route", f.grad_route, "cpu_reduction, gpu_reduction or reduce_scatter")
       ->capture_default_str();
@@ -343,5 +323,5 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "rank %u: step %llu: %s\n", f.rank,
                  static_cast<unsigned long long>(trainer.step()), s.ToString().c_str());
   }
-  return slidedp::examples::ExitCode(s);
+  return slidedp::examples::RankExitCode(s);
 }

@@ -5,7 +5,10 @@
 
 #include <CLI/CLI.hpp>
 #include <cstdint>
+#include <string>
 
+#include "absl/status/status.h"
+#include "absl/strings/match.h"
 #include "examples/native_trainer/mlp_task.h"
 
 namespace slidedp::examples {
@@ -29,6 +32,42 @@ inline void AddMlpRunFlags(CLI::App& app, MlpRunFlags* f) {
   app.add_option("--lr", f->optimizer.lr, "AdamW learning rate")->capture_default_str();
   app.add_option("--weight-decay", f->optimizer.weight_decay, "AdamW weight decay (not biases)")
       ->capture_default_str();
+}
+
+// The flags of a rank process (native_trainer, native_gpu_trainer): hostd's socket, the rank,
+// whether it creates the job, the job's gradient ring slot size and the timeout of every wait.
+// Each program sets its own defaults before AddRankFlags.
+struct RankFlags {
+  std::string socket;
+  uint32_t rank = 0;
+  bool create_job = false;
+  uint64_t chunk_bytes = 65536;
+  uint32_t timeout_ms = 60000;
+};
+
+inline void AddRankFlags(CLI::App& app, RankFlags* f) {
+  app.add_option("--socket", f->socket, "hostd's unix socket")->required();
+  app.add_option("--rank", f->rank, "This process's rank, 0..R-1")->capture_default_str();
+  app.add_flag("--create-job", f->create_job, "Create hostd's job from this model first");
+  app.add_option("--chunk-bytes", f->chunk_bytes, "Gradient ring slot size (with --create-job)")
+      ->capture_default_str();
+  app.add_option("--timeout-ms", f->timeout_ms, "Timeout of every wait and RPC")
+      ->capture_default_str();
+}
+
+// hostd not listening yet (UNAVAILABLE) or no job yet: worth retrying until the job exists.
+inline bool JobNotReady(const absl::Status& s) {
+  return absl::IsUnavailable(s) ||
+         (absl::IsFailedPrecondition(s) &&
+          absl::StrContains(s.message(), "attach before the model exists"));
+}
+
+// A rank process's exit code: 0 done; 3 a step was aborted; 4 hostd is gone; 1 anything else.
+inline int RankExitCode(const absl::Status& s) {
+  if (s.ok()) return 0;
+  if (absl::IsAborted(s)) return 3;
+  if (absl::IsUnavailable(s)) return 4;
+  return 1;
 }
 
 }  // namespace slidedp::examples

@@ -43,24 +43,12 @@ using rankclient::RankClient;
 constexpr auto kJobWait = std::chrono::seconds(30);
 constexpr int kFp32 = 1;  // RankClient dtype code
 
-struct TrainerFlags {
+struct TrainerFlags : RankFlags {
   MlpRunFlags run;
-  std::string socket;
-  uint32_t rank = 0;
-  bool create_job = false;
-  uint64_t chunk_bytes = 65536;
-  uint32_t timeout_ms = 60000;
   std::string stamps;
 };
 
 double Ms(Clock::duration d) { return std::chrono::duration<double, std::milli>(d).count(); }
-
-// hostd not listening yet (UNAVAILABLE) or no job yet: worth retrying until the job exists.
-bool JobNotReady(const absl::Status& s) {
-  return absl::IsUnavailable(s) ||
-         (absl::IsFailedPrecondition(s) &&
-          absl::StrContains(s.message(), "attach before the model exists"));
-}
 
 class Trainer {
  public:
@@ -252,13 +240,6 @@ absl::Status Trainer::Run() {
   return absl::OkStatus();
 }
 
-int ExitCode(const absl::Status& s) {
-  if (s.ok()) return 0;
-  if (absl::IsAborted(s)) return 3;
-  if (absl::IsUnavailable(s)) return 4;
-  return 1;
-}
-
 }  // namespace
 }  // namespace slidedp::examples
 
@@ -267,13 +248,7 @@ int main(int argc, char** argv) {
   TrainerFlags f;
   CLI::App app{"native_trainer: one rank of the native MLP trainer through hostd"};
   slidedp::examples::AddMlpRunFlags(app, &f.run);
-  app.add_option("--socket", f.socket, "hostd's unix socket")->required();
-  app.add_option("--rank", f.rank, "This process's rank, 0..R-1")->capture_default_str();
-  app.add_flag("--create-job", f.create_job, "Create hostd's job from this model first");
-  app.add_option("--chunk-bytes", f.chunk_bytes, "Gradient ring slot size (with --create-job)")
-      ->capture_default_str();
-  app.add_option("--timeout-ms", f.timeout_ms, "Timeout of every wait and RPC")
-      ->capture_default_str();
+  slidedp::examples::AddRankFlags(app, &f);
   app.add_option("--stamps", f.stamps, "Write the fetched versions as JSON lines to this file");
   CLI11_PARSE(app, argc, argv);
 
@@ -291,5 +266,5 @@ int main(int argc, char** argv) {
       std::fprintf(stderr, "rank %u: %s\n", f.rank, s.ToString().c_str());
     }
   }
-  return slidedp::examples::ExitCode(s);
+  return slidedp::examples::RankExitCode(s);
 }
