@@ -513,6 +513,9 @@ TEST_F(CudaKernelsTest, GradStatsIsDeterministic) {
       ASSERT_CUDA(scratch.error());
       ASSERT_CUDA(outs.error());
       ASSERT_CUDA(cudaMemcpy(xbuf.at(), x.data(), n * es, cudaMemcpyHostToDevice));
+      // From pageable memory cudaMemcpy may return before the DMA has landed, and stream_ is
+      // non-blocking: without this the first launch can read a partly copied input.
+      ASSERT_CUDA(cudaDeviceSynchronize());
       for (int r = 0; r < 5; ++r) {
         ASSERT_OK(
             GradStats(xbuf.at(), dtype, n, scratch.at(), outs.at<GradStatsResult>() + r, stream_));
@@ -556,6 +559,7 @@ TEST_F(CudaKernelsTest, GradStatsWritesHostMappedResult) {
   ASSERT_CUDA(xbuf.error());
   ASSERT_CUDA(scratch.error());
   ASSERT_CUDA(cudaMemcpy(xbuf.at(), x.data(), n * 4, cudaMemcpyHostToDevice));
+  ASSERT_CUDA(cudaDeviceSynchronize());  // see GradStatsIsDeterministic
   ASSERT_OK(
       GradStats(xbuf.at(), kFp32, n, scratch.at(), static_cast<GradStatsResult*>(mapped), stream_));
   ASSERT_CUDA(cudaStreamSynchronize(stream_));
