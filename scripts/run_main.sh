@@ -8,8 +8,8 @@
 # native_gpu_trainer processes: layers computed on the GPU, parameters streamed through the GPU
 # window, gradients D2H; one rank per GPU on the reduce-scatter route, or 2 ranks sharing a single
 # GPU on the CPU-reduction route. SLIDEDP_CPU=1 forces the CPU trainer.
-# On a machine without the build tools, BUILD_DIR may name a prebuilt tree and SKIP_SETUP=1 skips
-# bootstrap and build.
+# On a machine without the build tools (the GPU machine), BUILD_DIR may name a prebuilt tree or a
+# bundle (deploy/bundle) and SKIP_SETUP=1 skips bootstrap and build.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [ "${SKIP_SETUP:-0}" != 1 ]; then
@@ -17,20 +17,26 @@ if [ "${SKIP_SETUP:-0}" != 1 ]; then
   scripts/build.sh
 fi
 B=${BUILD_DIR:-build}
+# bin NAME PATH-IN-BUILD: the program in a build tree, or in a bundle's bin/.
+bin() { if [ -x "$B/bin/$1" ]; then echo "$B/bin/$1"; else echo "$B/$2"; fi; }
+HOSTD_BIN=$(bin hostd hostd/hostd)
+CTL_BIN=$(bin slidedpctl slidedpctl/slidedpctl)
+CPU_TRAINER=$(bin native_trainer examples/native_trainer/native_trainer)
+GPU_TRAINER=$(bin native_gpu_trainer examples/native_trainer/native_gpu_trainer)
 R=2
 GPUS=0
-if [ "${SLIDEDP_CPU:-0}" != 1 ] && [ -x "$B/examples/native_trainer/native_gpu_trainer" ] &&
+if [ "${SLIDEDP_CPU:-0}" != 1 ] && [ -x "$GPU_TRAINER" ] &&
   command -v nvidia-smi >/dev/null && nvidia-smi -L >/dev/null 2>&1; then
   GPUS=$(nvidia-smi -L | grep -c "^GPU")
 fi
-TRAINER="$B/examples/native_trainer/native_trainer"
+TRAINER=$CPU_TRAINER
 ROUTE=()
 if ((GPUS > 1)); then
   R=$GPUS
-  TRAINER="$B/examples/native_trainer/native_gpu_trainer"
+  TRAINER=$GPU_TRAINER
   ROUTE=(--grad-route reduce_scatter --param-route replicated)
 elif ((GPUS == 1)); then
-  TRAINER="$B/examples/native_trainer/native_gpu_trainer"
+  TRAINER=$GPU_TRAINER
   ROUTE=(--grad-route cpu_reduction)
 fi
 STEPS=${STEPS:-30}
@@ -48,9 +54,9 @@ cleanup() {
   rm -rf "$RUN"
 }
 trap cleanup EXIT
-ctl() { "$B/slidedpctl/slidedpctl" --socket "$SOCK" "$@"; }
+ctl() { "$CTL_BIN" --socket "$SOCK" "$@"; }
 
-"$B/hostd/hostd" --model none --world_size "$R" --socket "$SOCK" --instance "$INSTANCE" \
+"$HOSTD_BIN" --model none --world_size "$R" --socket "$SOCK" --instance "$INSTANCE" \
   --mlock best_effort >"$RUN/hostd.log" 2>&1 &
 HOSTD=$!
 PIDS+=("$HOSTD")
