@@ -82,8 +82,8 @@ slidedp::v1::BuildInfo DaemonBuildInfo() {
   b.set_shm_abi_version(kShmAbiVersion);
   b.set_component("hostd");
   for (const char* f :
-       {"cpu_reduction", "reduce_scatter", "chunk_streamed_update", "per_layer_clip", "global_clip",
-        "lr_schedules", "nonfinite_skip", "nccl_rendezvous"}) {
+       {"cpu_reduction", "gpu_reduction", "reduce_scatter", "chunk_streamed_update",
+        "per_layer_clip", "global_clip", "lr_schedules", "nonfinite_skip", "nccl_rendezvous"}) {
     b.add_features(f);
   }
   return b;
