@@ -62,12 +62,15 @@ class GpuTrainerTest(unittest.TestCase):
     def setUp(self):
         self.tmp = tempfile.mkdtemp(prefix="slidedp-gpu-")
         self.procs = []
+        self.files = []
 
     def tearDown(self):
         for p in self.procs:
             if p.poll() is None:
                 p.kill()
                 p.wait()
+        for f in self.files:
+            f.close()
         shutil.rmtree(self.tmp, ignore_errors=True)
 
     def reference(self, world_size):
@@ -79,10 +82,11 @@ class GpuTrainerTest(unittest.TestCase):
         loss = [float(m.group(1)) for m in re.finditer(r"^step +\d+ +loss (\S+)", r.stdout, re.M)]
         return loss, bf16_file(params)
 
-    def run_job(self, tag, world_size, grad_route, param_route):
+    def run_job(self, tag, world_size, grad_route, param_route, failpoint=None):
         instance = f"gt{os.getpid()}{tag}"
         socket = os.path.join(self.tmp, f"{instance}.sock")
         hlog = open(os.path.join(self.tmp, f"{instance}.log"), "w+")
+        self.files.append(hlog)
         hostd = subprocess.Popen(
             [HOSTD, "--model", "none", "--world_size", str(world_size), "--socket", socket,
              "--instance", instance, "--mlock", "best_effort", "--update_threads", "4",
@@ -104,7 +108,11 @@ class GpuTrainerTest(unittest.TestCase):
             if rank == 0:
                 cmd += ["--create-job", "--params-out", params]
             out = open(os.path.join(self.tmp, f"{instance}.{rank}.log"), "w+")
-            p = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+            self.files.append(out)
+            env = dict(os.environ)
+            if failpoint is not None and rank == world_size - 1:
+                env["SLIDEDP_FAILPOINT"] = failpoint
+            p = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
             self.procs.append(p)
             ranks.append((p, out))
         logs = []
@@ -116,10 +124,19 @@ class GpuTrainerTest(unittest.TestCase):
                 p.wait()
             out.seek(0)
             logs.append(out.read())
+            if failpoint is not None:
+                continue
             if p.returncode != 0:
                 hlog.seek(0)
                 self.fail(f"{tag}: rank {rank} exited {p.returncode}\n{logs[-1]}\n"
                           f"hostd:\n{hlog.read()[-4000:]}")
+        if failpoint is not None:
+            self.assertIsNone(hostd.poll(), "hostd must survive a rank's death")
+            hostd.send_signal(signal.SIGTERM)
+            hostd.wait(timeout=60)
+            hlog.seek(0)
+            self.assertEqual(hostd.returncode, 0, hlog.read()[-3000:])
+            return [p.returncode for p, _ in ranks], logs
         hostd.send_signal(signal.SIGTERM)
         hostd.wait(timeout=60)
         self.assertEqual(hostd.returncode, 0)
@@ -159,6 +176,18 @@ class GpuTrainerTest(unittest.TestCase):
 
     def test_r1_reduce_scatter_sharded(self):
         self.compare("r1rs", 1, "reduce_scatter", "sharded")
+
+    def test_r2_rank_killed_mid_push(self):
+        # Rank 1 is SIGKILLed right after its 50th gradient chunk (4 layers of 257 KiB FP32 in
+        # 64 KiB chunks: 20 a step, so mid-push in step 3): rank 0's GPU plane must come back with
+        # ABORTED (exit 3), not hang, and hostd must keep serving and stop cleanly.
+        t0 = time.time()
+        rcs, logs = self.run_job("r2kill", 2, "cpu_reduction", "replicated",
+                                 failpoint="push_kill:50")
+        print(f"r2kill: exit codes {rcs} after {time.time() - t0:.1f} s", flush=True)
+        self.assertEqual(rcs[1], -signal.SIGKILL, logs[1])
+        self.assertEqual(rcs[0], 3, f"rank 0 should report ABORTED:\n{logs[0][-2000:]}")
+        self.assertIn("ABORTED", logs[0])
 
 
 if __name__ == "__main__":
