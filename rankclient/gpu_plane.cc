@@ -142,6 +142,11 @@ absl::StatusOr<std::unique_ptr<GpuDataPlane>> GpuDataPlane::Create(RankClient* c
     return absl::InvalidArgumentError(
         absl::StrCat("h2d_chunk_bytes: ", options.h2d_chunk_bytes, ", expected >= 4096"));
   }
+  if (options.prefetch_depth >= options.window_slots) {
+    return absl::InvalidArgumentError(absl::StrCat("prefetch_depth: ", options.prefetch_depth,
+                                                   ", expected less than window_slots (",
+                                                   options.window_slots, ")"));
+  }
   if (options.staging_buffers < 1 || options.staging_buffers > 8) {
     return absl::InvalidArgumentError(
         absl::StrCat("staging_buffers: ", options.staging_buffers, ", expected 1..8"));
@@ -482,6 +487,49 @@ absl::StatusOr<GpuDataPlane::Slot> GpuDataPlane::Fetch(uint32_t layer, uint64_t 
   ws.version = version;
   ++fetches_;
   return Slot{index, layer, version, dst, numel};
+}
+
+absl::Status GpuDataPlane::BeginSchedule(std::vector<uint32_t> order, uint64_t version) {
+  for (uint32_t l : order) {
+    if (l >= client_->num_layers()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "order: layer ", l, " does not exist; the model has ", client_->num_layers(), " layers"));
+    }
+  }
+  if (!schedule_ahead_.empty()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "the previous schedule still has ", schedule_ahead_.size(), " fetched layers not taken"));
+  }
+  schedule_ = std::move(order);
+  schedule_version_ = version;
+  schedule_fetched_ = 0;
+  schedule_next_ = 0;
+  return absl::OkStatus();
+}
+
+absl::StatusOr<GpuDataPlane::Slot> GpuDataPlane::Next(std::chrono::milliseconds timeout) {
+  if (schedule_next_ >= schedule_.size()) {
+    return absl::OutOfRangeError(
+        absl::StrCat("the schedule's ", schedule_.size(), " layers are all taken"));
+  }
+  // Keep up to prefetch_depth layers beyond the one returned now in flight, while slots allow.
+  const size_t want = std::min(schedule_.size(), schedule_next_ + 1 + options_.prefetch_depth);
+  while (schedule_fetched_ < want) {
+    const uint32_t index = static_cast<uint32_t>(fetches_ % impl_->slots.size());
+    if (impl_->slots[index].held) {
+      if (schedule_fetched_ > schedule_next_) break;  // the one needed now is already fetched
+      return absl::FailedPreconditionError(
+          absl::StrCat("every window slot is held; release slots before taking layer ",
+                       schedule_[schedule_next_], " (", impl_->slots.size(), " slots)"));
+    }
+    ASSIGN_OR_RETURN(Slot s, Fetch(schedule_[schedule_fetched_], schedule_version_, timeout));
+    schedule_ahead_.push_back(s);
+    ++schedule_fetched_;
+  }
+  const Slot s = schedule_ahead_.front();
+  schedule_ahead_.pop_front();
+  ++schedule_next_;
+  return s;
 }
 
 absl::Status GpuDataPlane::WaitSlot(const Slot& slot, cudaStream_t stream) {

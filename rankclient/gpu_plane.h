@@ -51,7 +51,9 @@
 
 #include <chrono>
 #include <cstdint>
+#include <deque>
 #include <memory>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "rankclient/rank_client.h"
@@ -64,6 +66,7 @@ class GpuDataPlane {
   struct Options {
     int device = 0;
     uint32_t window_slots = 3;               // k >= 1
+    uint32_t prefetch_depth = 2;             // schedule: fetches kept ahead, < window_slots
     uint64_t h2d_chunk_bytes = 64ull << 20;  // parameter copies are cut at this size
     slidedp::v1::ParamRoute param_route = slidedp::v1::PARAM_ROUTE_REPLICATED;
     bool reduce_in_fp32 = true;  // widen BF16 gradients before a collective
@@ -109,6 +112,15 @@ class GpuDataPlane {
   // first), waits until `layer` is at `version`, and enqueues its parameters into the slot by the
   // parameter route. Returns at once after enqueueing.
   absl::StatusOr<Slot> Fetch(uint32_t layer, uint64_t version, std::chrono::milliseconds timeout);
+  // A fetch schedule: the layers in the order the caller computes them (e.g. forward 0..L-1,
+  // then backward L-1..0), all at `version`. Next() returns the next layer's slot after
+  // enqueueing the fetches of up to prefetch_depth further layers of the schedule (as window
+  // slots are released). INVALID_ARGUMENT for an unknown layer in `order`.
+  absl::Status BeginSchedule(std::vector<uint32_t> order, uint64_t version);
+  // OUT_OF_RANGE when the schedule is exhausted; FAILED_PRECONDITION when its next layer cannot
+  // be fetched because every window slot is held (release slots as you go).
+  absl::StatusOr<Slot> Next(std::chrono::milliseconds timeout);
+
   // Makes `stream` wait until the slot holds the parameters.
   absl::Status WaitSlot(const Slot& slot, cudaStream_t stream);
   // The slot may be reused once the work enqueued on `stream` so far is done. Verifies that the
@@ -147,6 +159,11 @@ class GpuDataPlane {
   std::unique_ptr<Impl> impl_;
   uint64_t slot_elems_ = 0;
   uint64_t fetches_ = 0;
+  std::vector<uint32_t> schedule_;
+  uint64_t schedule_version_ = 0;
+  size_t schedule_fetched_ = 0;  // positions of schedule_ fetched so far
+  size_t schedule_next_ = 0;     // position Next() returns next
+  std::deque<Slot> schedule_ahead_;
   int reduce_dtype_ = 1;  // dtype the collectives run in (1 FP32, 2 BF16)
 };
 

@@ -106,6 +106,7 @@ TEST(GpuPlane, ParameterRoutesDeliverByteIdenticalLayers) {
     ASSERT_NE(client, nullptr);
     GpuDataPlane::Options o;
     o.window_slots = 2;
+    o.prefetch_depth = 1;
     o.h2d_chunk_bytes = 4096;
     o.param_route = route;
     auto plane = GpuDataPlane::Create(client.get(), o);
@@ -147,6 +148,69 @@ TEST(GpuPlane, ParameterRoutesDeliverByteIdenticalLayers) {
   }
 }
 
+// A schedule (forward 0..L-1, then backward L-1..0) through a window of 3 slots with 2 layers
+// fetched ahead: every slot handed out holds its layer's bytes; a schedule that holds every slot
+// without releasing is refused; prefetch_depth must leave a slot free.
+TEST(GpuPlane, ScheduleKeepsLayersAheadAndDeliversThem) {
+  auto h = StartHostd(v1::GRAD_ROUTE_CPU_REDUCTION, 1 << 20);
+  ASSERT_NE(h, nullptr);
+  auto client = AttachRank(*h);
+  ASSERT_NE(client, nullptr);
+  GpuDataPlane::Options bad;
+  bad.window_slots = 2;
+  bad.prefetch_depth = 2;
+  EXPECT_EQ(GpuDataPlane::Create(client.get(), bad).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  GpuDataPlane::Options o;
+  o.window_slots = 3;
+  o.prefetch_depth = 2;
+  o.h2d_chunk_bytes = 8192;
+  auto plane = GpuDataPlane::Create(client.get(), o);
+  ASSERT_TRUE(plane.ok()) << plane.status();
+  cudaStream_t stream;
+  ASSERT_CUDA(cudaStreamCreate(&stream));
+  ASSERT_OK((*plane)->BeginStep(1, kTimeout));
+  const uint32_t layers = client->num_layers();
+  std::vector<uint32_t> order;
+  for (uint32_t l = 0; l < layers; ++l) order.push_back(l);
+  for (uint32_t l = layers; l-- > 0;) order.push_back(l);
+  EXPECT_EQ((*plane)->BeginSchedule({layers}, 0).code(), absl::StatusCode::kInvalidArgument);
+  ASSERT_OK((*plane)->BeginSchedule(order, 0));
+  for (size_t i = 0; i < order.size(); ++i) {
+    auto slot = (*plane)->Next(kTimeout);
+    ASSERT_TRUE(slot.ok()) << i << ": " << slot.status();
+    ASSERT_EQ(slot->layer, order[i]);
+    // Two more layers are in flight behind this one (fewer at the end).
+    EXPECT_EQ((*plane)->stats().layers_fetched, std::min(order.size(), i + 3));
+    const uint64_t n = slot->numel;
+    std::vector<uint16_t> got(n, 0xFFFF);
+    ASSERT_OK((*plane)->WaitSlot(*slot, stream));
+    ASSERT_CUDA(cudaMemcpyAsync(got.data(), slot->data, n * 2, cudaMemcpyDeviceToHost, stream));
+    ASSERT_OK((*plane)->ReleaseSlot(*slot, stream));
+    ASSERT_CUDA(cudaStreamSynchronize(stream));
+    ASSERT_EQ(std::memcmp(got.data(), client->LayerParams(order[i]), n * 2), 0) << i;
+  }
+  EXPECT_EQ((*plane)->Next(kTimeout).status().code(), absl::StatusCode::kOutOfRange);
+  // Holding every slot: the schedule cannot go on.
+  ASSERT_OK((*plane)->BeginSchedule(order, 0));
+  std::vector<GpuDataPlane::Slot> held;
+  absl::Status refused;
+  for (int i = 0; i < 5 && refused.ok(); ++i) {
+    auto slot = (*plane)->Next(kTimeout);
+    if (slot.ok()) {
+      held.push_back(*slot);
+    } else {
+      refused = slot.status();
+    }
+  }
+  EXPECT_EQ(refused.code(), absl::StatusCode::kFailedPrecondition) << refused;
+  EXPECT_EQ(held.size(), 3u);
+  for (const auto& s : held) ASSERT_OK((*plane)->ReleaseSlot(s, stream));
+  ASSERT_CUDA(cudaStreamSynchronize(stream));
+  plane->reset();
+  cudaStreamDestroy(stream);
+}
+
 // Runs `steps` steps pushing Gradient(l, t) and returns hostd's state checksum. via_gpu: the
 // plane from device memory (as FP32, or as BF16 when bf16_input; the job's dtype is FP32, so the
 // plane widens on the GPU); else RankClient::PushGrad from host memory (BF16-rounded values
@@ -162,6 +226,7 @@ uint64_t Train(v1::GradRoute route, bool via_gpu, bool bf16_input, uint64_t chun
   if (via_gpu) {
     GpuDataPlane::Options o;
     o.window_slots = 2;
+    o.prefetch_depth = 1;
     auto p = GpuDataPlane::Create(client.get(), o);
     EXPECT_TRUE(p.ok()) << p.status();
     if (!p.ok()) return 0;

@@ -2,6 +2,7 @@
 // across it.
 #include "rankclient/slidedp_rank.h"
 
+#include <algorithm>
 #include <cstring>
 #include <exception>
 #include <string>
@@ -221,6 +222,7 @@ int slidedp_gpu_plane_create(slidedp_rank* h, const slidedp_gpu_plane_options* o
     slidedp::rankclient::GpuDataPlane::Options po;
     po.device = o->device;
     if (o->window_slots != 0) po.window_slots = o->window_slots;
+    po.prefetch_depth = std::min<uint32_t>(po.prefetch_depth, po.window_slots - 1);
     if (o->h2d_chunk_bytes != 0) po.h2d_chunk_bytes = o->h2d_chunk_bytes;
     po.param_route = o->param_route == 2 ? slidedp::v1::PARAM_ROUTE_SHARDED
                                          : slidedp::v1::PARAM_ROUTE_REPLICATED;

@@ -174,10 +174,10 @@ absl::StatusOr<double> RawPinned(uint64_t layer_bytes, uint32_t count, uint32_t 
     for (uint32_t l = 0; l < count; ++l) {
       for (uint64_t off = 0; off < layer_bytes; off += chunk) {
         const uint64_t n = std::min(chunk, layer_bytes - off);
-        RETURN_IF_CUDA_ERROR(cudaMemcpyAsync(static_cast<char*>(dev) + off,
-                                             static_cast<char*>(host) + off, n,
-                                             cudaMemcpyHostToDevice, stream),
-                             "raw H2D");
+        RETURN_IF_CUDA_ERROR(
+            cudaMemcpyAsync(static_cast<char*>(dev) + off, static_cast<char*>(host) + off, n,
+                            cudaMemcpyHostToDevice, stream),
+            "raw H2D");
       }
     }
   }
@@ -200,6 +200,7 @@ absl::Status ModeH2d(const Flags& f, json* out) {
   uint64_t generation = 1;
   for (uint64_t mib : f.h2d_chunk_mib) {
     GpuDataPlane::Options o;
+    o.prefetch_depth = f.window_slots - 1;
     o.comm_generation = generation;  // each plane creates fresh communicators, if any
     generation += 2;
     o.window_slots = f.window_slots;
@@ -238,6 +239,7 @@ absl::Status ModeD2hAdam(const Flags& f, json* out) {
   ASSIGN_OR_RETURN(std::unique_ptr<RankClient> c, Connect(f));
   GpuDataPlane::Options o;
   o.window_slots = 1;
+  o.prefetch_depth = 0;
   ASSIGN_OR_RETURN(std::unique_ptr<GpuDataPlane> plane, GpuDataPlane::Create(c.get(), o));
   cudaStream_t stream;
   RETURN_IF_CUDA_ERROR(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "stream");
@@ -279,6 +281,7 @@ absl::Status ModeH2dUnderLoad(const Flags& f, json* out) {
   ASSIGN_OR_RETURN(std::unique_ptr<RankClient> c, Connect(f));
   GpuDataPlane::Options o;
   o.window_slots = f.window_slots;
+  o.prefetch_depth = f.window_slots - 1;
   ASSIGN_OR_RETURN(std::unique_ptr<GpuDataPlane> plane, GpuDataPlane::Create(c.get(), o));
   cudaStream_t stream, gstream;
   RETURN_IF_CUDA_ERROR(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "stream");
@@ -329,6 +332,7 @@ absl::Status ModePipeline(const Flags& f, json* out) {
   ASSIGN_OR_RETURN(std::unique_ptr<RankClient> c, Connect(f));
   GpuDataPlane::Options o;
   o.window_slots = f.window_slots;
+  o.prefetch_depth = f.window_slots - 1;
   ASSIGN_OR_RETURN(std::unique_ptr<GpuDataPlane> plane, GpuDataPlane::Create(c.get(), o));
   cudaStream_t stream;
   RETURN_IF_CUDA_ERROR(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "stream");

@@ -21,7 +21,6 @@
 #include <chrono>
 #include <cstdio>
 #include <cstring>
-#include <deque>
 #include <map>
 #include <memory>
 #include <string>
@@ -166,26 +165,18 @@ absl::Status GpuTrainer::Step(uint64_t t) {
   const uint64_t begin = f_.rank * per_rank;
   RETURN_IF_ERROR(plane_->BeginStep(t, timeout_));
   RETURN_IF_ERROR(pass_->Reset(t, begin, begin + per_rank));
-  // Forward: parameters fetched `prefetch` layers ahead of the compute.
-  std::deque<GpuDataPlane::Slot> ahead;
-  uint32_t next = 0;
+  // Forward: the plane's schedule keeps `prefetch` layers in flight ahead of the compute.
+  std::vector<uint32_t> order(layers);
+  for (uint32_t l = 0; l < layers; ++l) order[l] = l;
+  RETURN_IF_ERROR(plane_->BeginSchedule(order, t - 1));
   fetch_ms_ = 0;
-  auto fetch = [&]() -> absl::Status {
-    const auto f0 = Clock::now();
-    ASSIGN_OR_RETURN(GpuDataPlane::Slot s, plane_->Fetch(next++, t - 1, timeout_));
-    fetch_ms_ += Ms(Clock::now() - f0);
-    ahead.push_back(s);
-    return absl::OkStatus();
-  };
-  while (next < layers && next < f_.prefetch) RETURN_IF_ERROR(fetch());
   for (uint32_t l = 0; l < layers; ++l) {
-    if (ahead.empty()) RETURN_IF_ERROR(fetch());
-    const GpuDataPlane::Slot s = ahead.front();
-    ahead.pop_front();
+    const auto f0 = Clock::now();
+    ASSIGN_OR_RETURN(const GpuDataPlane::Slot s, plane_->Next(timeout_));
+    fetch_ms_ += Ms(Clock::now() - f0);
     RETURN_IF_ERROR(plane_->WaitSlot(s, stream_));
     RETURN_IF_ERROR(pass_->Forward(l, s.data));
     RETURN_IF_ERROR(plane_->ReleaseSlot(s, stream_));
-    if (next < layers) RETURN_IF_ERROR(fetch());
   }
   ASSIGN_OR_RETURN(loss_, pass_->Loss());
   // Backward: each layer's gradient goes back as soon as it is enqueued.
@@ -240,9 +231,10 @@ absl::Status GpuTrainer::Run() {
   }
   grad_route_ = grad_routes.at(f_.grad_route);
   param_route_ = param_routes.at(f_.param_route);
-  if (f_.prefetch < 1 || f_.prefetch > f_.window_slots) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "--prefetch: ", f_.prefetch, ", expected 1..--window-slots (", f_.window_slots, ")"));
+  if (f_.prefetch >= f_.window_slots) {
+    return absl::InvalidArgumentError(absl::StrCat("--prefetch: ", f_.prefetch, ", expected 0..",
+                                                   f_.window_slots - 1,
+                                                   " (less than --window-slots)"));
   }
   if (f_.create_job) RETURN_IF_ERROR(CreateJob());
   RETURN_IF_ERROR(Attach());
@@ -253,6 +245,7 @@ absl::Status GpuTrainer::Run() {
   GpuDataPlane::Options po;
   po.device = f_.gpu;
   po.window_slots = f_.window_slots;
+  po.prefetch_depth = f_.prefetch;
   po.param_route = param_route_;
   po.h2d_chunk_bytes = f_.h2d_chunk_bytes;
   ASSIGN_OR_RETURN(plane_, GpuDataPlane::Create(client_.get(), po));
