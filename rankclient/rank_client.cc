@@ -73,6 +73,38 @@ absl::StatusOr<std::unique_ptr<RankClient>> RankClient::Attach(const Options& op
   return c;
 }
 
+absl::StatusOr<std::unique_ptr<RankClient>> RankClient::AttachWhenReady(
+    const Options& options, std::chrono::milliseconds wait) {
+  const auto deadline = Clock::now() + wait;
+  for (;;) {
+    absl::StatusOr<std::unique_ptr<RankClient>> c = Attach(options);
+    if (c.ok()) return c;
+    const bool not_ready =
+        absl::IsUnavailable(c.status()) ||
+        (absl::IsFailedPrecondition(c.status()) &&
+         absl::StrContains(c.status().message(), "attach before the model exists"));
+    if (!not_ready || Clock::now() >= deadline) {
+      return Annotate(c.status(), absl::StrCat("attaching rank ", options.rank));
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+}
+
+absl::StatusOr<v1::JobSpec> RankClient::CreateJobWhenReady(const std::string& socket,
+                                                           const v1::JobSpec& spec,
+                                                           std::chrono::milliseconds timeout,
+                                                           std::chrono::milliseconds wait) {
+  const auto deadline = Clock::now() + wait;
+  for (;;) {
+    absl::StatusOr<v1::JobSpec> got = CreateJob(socket, spec, timeout);
+    if (got.ok() || !absl::IsUnavailable(got.status()) || Clock::now() >= deadline) {
+      if (!got.ok()) return Annotate(got.status(), "creating the job");
+      return got;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+}
+
 absl::StatusOr<v1::JobSpec> RankClient::CreateJob(const std::string& socket,
                                                   const v1::JobSpec& spec,
                                                   std::chrono::milliseconds timeout) {

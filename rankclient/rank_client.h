@@ -63,12 +63,21 @@ class RankClient {
   };
 
   static absl::StatusOr<std::unique_ptr<RankClient>> Attach(const Options& options);
+  // Attach, retried every 100 ms for up to `wait` while hostd is not listening yet (UNAVAILABLE)
+  // or has no job yet (a rank that starts before the one creating the job).
+  static absl::StatusOr<std::unique_ptr<RankClient>> AttachWhenReady(
+      const Options& options, std::chrono::milliseconds wait);
 
   // Creates hostd's job from `spec` (CreateJob; idempotent for the same manifest), for trainers
   // that bring their own model. Returns the effective spec (defaults filled, manifest_hash set).
   static absl::StatusOr<slidedp::v1::JobSpec> CreateJob(const std::string& socket,
                                                         const slidedp::v1::JobSpec& spec,
                                                         std::chrono::milliseconds timeout);
+  // CreateJob, retried every 100 ms for up to `wait` while hostd is not listening yet.
+  static absl::StatusOr<slidedp::v1::JobSpec> CreateJobWhenReady(const std::string& socket,
+                                                                 const slidedp::v1::JobSpec& spec,
+                                                                 std::chrono::milliseconds timeout,
+                                                                 std::chrono::milliseconds wait);
   ~RankClient();
   RankClient(const RankClient&) = delete;
   RankClient& operator=(const RankClient&) = delete;

@@ -107,15 +107,7 @@ absl::Status GpuTrainer::CreateJob() {
   v1::JobSpec spec = MlpJobSpec(f_.run.model, f_.run.optimizer, f_.run.world_size, f_.chunk_bytes);
   spec.mutable_routes()->set_grad_route(grad_route_);
   spec.mutable_routes()->set_param_route(param_route_);
-  const auto deadline = Clock::now() + kJobWait;
-  for (;;) {
-    absl::StatusOr<v1::JobSpec> got = RankClient::CreateJob(f_.socket, spec, timeout_);
-    if (got.ok()) return absl::OkStatus();
-    if (!absl::IsUnavailable(got.status()) || Clock::now() >= deadline) {
-      return Annotate(got.status(), "creating the job");
-    }
-    std::this_thread::sleep_for(std::chrono::milliseconds(100));
-  }
+  return RankClient::CreateJobWhenReady(f_.socket, spec, timeout_, kJobWait).status();
 }
 
 absl::Status GpuTrainer::Attach() {
@@ -125,18 +117,7 @@ absl::Status GpuTrainer::Attach() {
   o.gpu = f_.gpu;
   o.manifest_hash = hostd::ManifestHashHex(hostd::ManifestHash(MlpManifest(f_.run.model)));
   o.timeout_ms = f_.timeout_ms;
-  const auto deadline = Clock::now() + kJobWait;
-  for (;;) {
-    absl::StatusOr<std::unique_ptr<RankClient>> c = RankClient::Attach(o);
-    if (c.ok()) {
-      client_ = std::move(*c);
-      break;
-    }
-    if (!JobNotReady(c.status()) || Clock::now() >= deadline) {
-      return Annotate(c.status(), absl::StrCat("attaching rank ", f_.rank));
-    }
-    std::this_thread::sleep_for(std::chrono::milliseconds(100));
-  }
+  ASSIGN_OR_RETURN(client_, RankClient::AttachWhenReady(o, kJobWait));
   if (client_->world_size() != f_.run.world_size) {
     return absl::FailedPreconditionError(absl::StrCat(
         "the job has world_size ", client_->world_size(), ", --world-size is ", f_.run.world_size));

@@ -8,7 +8,6 @@
 #include <string>
 
 #include "absl/status/status.h"
-#include "absl/strings/match.h"
 #include "examples/native_trainer/mlp_task.h"
 
 namespace slidedp::examples {
@@ -53,13 +52,6 @@ inline void AddRankFlags(CLI::App& app, RankFlags* f) {
       ->capture_default_str();
   app.add_option("--timeout-ms", f->timeout_ms, "Timeout of every wait and RPC")
       ->capture_default_str();
-}
-
-// hostd not listening yet (UNAVAILABLE) or no job yet: worth retrying until the job exists.
-inline bool JobNotReady(const absl::Status& s) {
-  return absl::IsUnavailable(s) ||
-         (absl::IsFailedPrecondition(s) &&
-          absl::StrContains(s.message(), "attach before the model exists"));
 }
 
 // A rank process's exit code: 0 done; 3 a step was aborted; 4 hostd is gone; 1 anything else.

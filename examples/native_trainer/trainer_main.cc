@@ -80,26 +80,18 @@ class Trainer {
 absl::Status Trainer::CreateJob() {
   const v1::JobSpec spec =
       MlpJobSpec(f_.run.model, f_.run.optimizer, f_.run.world_size, f_.chunk_bytes);
-  const auto deadline = Clock::now() + kJobWait;
-  for (;;) {
-    absl::StatusOr<v1::JobSpec> got = RankClient::CreateJob(f_.socket, spec, timeout_);
-    if (got.ok()) {
-      if (got->world_size() != f_.run.world_size) {
-        return absl::FailedPreconditionError(
-            absl::StrCat("hostd's job has world_size ", got->world_size(),
-                         " but this trainer runs with --world-size ", f_.run.world_size));
-      }
-      std::printf("rank %u: job '%s' ready: %u layers of %u, manifest %s, chunk %llu bytes\n",
-                  f_.rank, got->job_id().c_str(), f_.run.model.layers, f_.run.model.dim,
-                  got->manifest().manifest_hash().c_str(),
-                  static_cast<unsigned long long>(got->routes().chunk_bytes()));
-      return absl::OkStatus();
-    }
-    if (!absl::IsUnavailable(got.status()) || Clock::now() >= deadline) {
-      return Annotate(got.status(), "creating the job");
-    }
-    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  ASSIGN_OR_RETURN(const v1::JobSpec got,
+                   RankClient::CreateJobWhenReady(f_.socket, spec, timeout_, kJobWait));
+  if (got.world_size() != f_.run.world_size) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("hostd's job has world_size ", got.world_size(),
+                     " but this trainer runs with --world-size ", f_.run.world_size));
   }
+  std::printf("rank %u: job '%s' ready: %u layers of %u, manifest %s, chunk %llu bytes\n", f_.rank,
+              got.job_id().c_str(), f_.run.model.layers, f_.run.model.dim,
+              got.manifest().manifest_hash().c_str(),
+              static_cast<unsigned long long>(got.routes().chunk_bytes()));
+  return absl::OkStatus();
 }
 
 absl::Status Trainer::Attach() {
@@ -108,18 +100,8 @@ absl::Status Trainer::Attach() {
   o.rank = f_.rank;
   o.manifest_hash = hostd::ManifestHashHex(hostd::ManifestHash(MlpManifest(f_.run.model)));
   o.timeout_ms = f_.timeout_ms;
-  const auto deadline = Clock::now() + kJobWait;
-  for (;;) {
-    absl::StatusOr<std::unique_ptr<RankClient>> c = RankClient::Attach(o);
-    if (c.ok()) {
-      client_ = std::move(*c);
-      return absl::OkStatus();
-    }
-    if (!JobNotReady(c.status()) || Clock::now() >= deadline) {
-      return Annotate(c.status(), absl::StrCat("attaching rank ", f_.rank));
-    }
-    std::this_thread::sleep_for(std::chrono::milliseconds(100));
-  }
+  ASSIGN_OR_RETURN(client_, RankClient::AttachWhenReady(o, kJobWait));
+  return absl::OkStatus();
 }
 
 // The job must be the one this process computes: same world size, FP32 gradients, and every
