@@ -152,6 +152,65 @@ int slidedp_rank_layer_numel(const slidedp_rank* h, uint32_t layer, uint64_t* nu
   return Ok();
 }
 
+namespace {
+int CopyName(const std::string& src, char* dst, size_t dst_len) {
+  if (dst == nullptr) return Ok();
+  if (dst_len < src.size() + 1) {
+    return Fail(absl::StatusCode::kOutOfRange, absl::StrCat("name_len: ", dst_len, ", the name '",
+                                                            src, "' needs ", src.size() + 1));
+  }
+  std::memcpy(dst, src.c_str(), src.size() + 1);
+  return Ok();
+}
+}  // namespace
+
+int slidedp_rank_layer_info(const slidedp_rank* h, uint32_t layer, char* name, size_t name_len,
+                            uint32_t* num_tensors) {
+  SLIDEDP_CHECK_HANDLE(h);
+  return Guard([&] {
+    if (layer >= h->client->num_layers()) {
+      return Fail(absl::StatusCode::kNotFound,
+                  absl::StrCat("layer: ", layer, " does not exist; the model has ",
+                               h->client->num_layers(), " layers"));
+    }
+    const auto& ll = h->client->layout().layers(static_cast<int>(layer));
+    if (num_tensors != nullptr) *num_tensors = static_cast<uint32_t>(ll.tensors_size());
+    return CopyName(ll.name(), name, name_len);
+  });
+}
+
+int slidedp_rank_layer_tensor(const slidedp_rank* h, uint32_t layer, uint32_t index, char* name,
+                              size_t name_len, uint64_t* offset_elements, uint64_t* numel,
+                              int64_t* shape, uint32_t max_dims, uint32_t* ndims) {
+  SLIDEDP_CHECK_HANDLE(h);
+  return Guard([&] {
+    if (layer >= h->client->num_layers()) {
+      return Fail(absl::StatusCode::kNotFound,
+                  absl::StrCat("layer: ", layer, " does not exist; the model has ",
+                               h->client->num_layers(), " layers"));
+    }
+    const auto& ll = h->client->layout().layers(static_cast<int>(layer));
+    if (index >= static_cast<uint32_t>(ll.tensors_size())) {
+      return Fail(absl::StatusCode::kNotFound,
+                  absl::StrCat("index: layer ", layer, " has ", ll.tensors_size(), " tensors, got ",
+                               index));
+    }
+    const auto& t = ll.tensors(static_cast<int>(index));
+    if (shape != nullptr && max_dims < static_cast<uint32_t>(t.shape_size())) {
+      return Fail(absl::StatusCode::kOutOfRange,
+                  absl::StrCat("max_dims: ", max_dims, ", tensor '", t.name(), "' has ",
+                               t.shape_size(), " dimensions"));
+    }
+    if (offset_elements != nullptr) *offset_elements = t.offset_elements();
+    if (numel != nullptr) *numel = t.numel();
+    if (ndims != nullptr) *ndims = static_cast<uint32_t>(t.shape_size());
+    if (shape != nullptr) {
+      for (int d = 0; d < t.shape_size(); ++d) shape[d] = t.shape(d);
+    }
+    return CopyName(t.name(), name, name_len);
+  });
+}
+
 int slidedp_rank_grad_dtype(const slidedp_rank* h, int* dtype) {
   SLIDEDP_CHECK_HANDLE(h);
   if (dtype == nullptr) return Fail(absl::StatusCode::kInvalidArgument, "dtype is null");

@@ -59,6 +59,18 @@ SLIDEDP_RANK_EXPORT int slidedp_rank_world_size(const slidedp_rank* h, uint32_t*
 /* Elements of a layer and its BF16 parameter bytes. */
 SLIDEDP_RANK_EXPORT int slidedp_rank_layer_numel(const slidedp_rank* h, uint32_t layer,
                                                  uint64_t* numel);
+/* A layer's name (NUL-terminated into name, name_len bytes; OUT_OF_RANGE when too small) and its
+ * number of tensors. */
+SLIDEDP_RANK_EXPORT int slidedp_rank_layer_info(const slidedp_rank* h, uint32_t layer, char* name,
+                                                size_t name_len, uint32_t* num_tensors);
+/* Tensor `index` of a layer: its HF parameter name, where it starts in the layer's flat buffer
+ * (elements), its element count and its shape (up to max_dims dims; *ndims = the tensor's rank,
+ * OUT_OF_RANGE when max_dims is smaller). Any output pointer may be NULL. */
+SLIDEDP_RANK_EXPORT int slidedp_rank_layer_tensor(const slidedp_rank* h, uint32_t layer,
+                                                  uint32_t index, char* name, size_t name_len,
+                                                  uint64_t* offset_elements, uint64_t* numel,
+                                                  int64_t* shape, uint32_t max_dims,
+                                                  uint32_t* ndims);
 /* The job's gradient dtype (SLIDEDP_DTYPE_*). */
 SLIDEDP_RANK_EXPORT int slidedp_rank_grad_dtype(const slidedp_rank* h, int* dtype);
 

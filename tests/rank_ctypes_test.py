@@ -56,6 +56,12 @@ def load():
     lib.slidedp_rank_wait_step.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32]
     lib.slidedp_manifest_hash_from_hf_config.argtypes = [ctypes.c_char_p, ctypes.c_char_p,
                                                          ctypes.c_size_t]
+    lib.slidedp_rank_layer_info.argtypes = [ctypes.c_void_p, ctypes.c_uint32, ctypes.c_char_p,
+                                            ctypes.c_size_t, ctypes.POINTER(ctypes.c_uint32)]
+    lib.slidedp_rank_layer_tensor.argtypes = [
+        ctypes.c_void_p, ctypes.c_uint32, ctypes.c_uint32, ctypes.c_char_p, ctypes.c_size_t,
+        ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_uint64),
+        ctypes.POINTER(ctypes.c_int64), ctypes.c_uint32, ctypes.POINTER(ctypes.c_uint32)]
     return lib
 
 
@@ -131,6 +137,41 @@ class RankCtypesTest(unittest.TestCase):
             self.assertEqual(lib.slidedp_rank_layer_numel(h, l, ctypes.byref(v)), OK)
             numel.append(v.value)
         self.expect(NOT_FOUND, lib.slidedp_rank_layer_numel(h, 7, ctypes.byref(ctypes.c_uint64())))
+
+        # The per-tensor layout: HF names, contiguous offsets covering each layer, shapes.
+        names = []
+        for l in range(n.value):
+            name = ctypes.create_string_buffer(256)
+            count = ctypes.c_uint32()
+            self.expect(OK, lib.slidedp_rank_layer_info(h, l, name, 256, ctypes.byref(count)))
+            self.assertTrue(name.value.startswith(b"model.") or name.value == b"lm_head", name.value)
+            self.assertGreater(count.value, 0)
+            offset = 0
+            for i in range(count.value):
+                tname = ctypes.create_string_buffer(256)
+                off, cnt = ctypes.c_uint64(), ctypes.c_uint64()
+                shape = (ctypes.c_int64 * 8)()
+                nd = ctypes.c_uint32()
+                self.expect(OK, lib.slidedp_rank_layer_tensor(h, l, i, tname, 256, ctypes.byref(off),
+                                                             ctypes.byref(cnt), shape, 8,
+                                                             ctypes.byref(nd)))
+                self.assertTrue(tname.value.startswith(name.value + b"."), tname.value)
+                self.assertEqual(off.value, offset, tname.value)
+                prod = 1
+                for d in range(nd.value):
+                    prod *= shape[d]
+                self.assertEqual(prod, cnt.value, tname.value)
+                offset += cnt.value
+                names.append(tname.value)
+            self.assertEqual(offset, numel[l], f"layer {l}'s tensors cover it")
+        self.assertIn(b"model.layers.0.self_attn.q_proj.weight", names)
+        self.expect(NOT_FOUND, lib.slidedp_rank_layer_info(h, 7, None, 0, None), "layer")
+        self.expect(NOT_FOUND, lib.slidedp_rank_layer_tensor(h, 0, 99, None, 0, None, None, None,
+                                                            0, None), "index")
+        self.expect(OUT_OF_RANGE, lib.slidedp_rank_layer_info(h, 1, ctypes.create_string_buffer(4),
+                                                             4, None), "name_len")
+        self.expect(OUT_OF_RANGE, lib.slidedp_rank_layer_tensor(
+            h, 1, 0, None, 0, None, None, (ctypes.c_int64 * 1)(), 0, None), "max_dims")
 
         before = self.layers()
         params = [ctypes.create_string_buffer(2 * k) for k in numel]
