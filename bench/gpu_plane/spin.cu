@@ -1,5 +1,4 @@
 #include "bench/gpu_plane/spin.h"
-
 #include "common/status_macros.h"
 #include "kernels/cuda/cuda_status.h"
 
