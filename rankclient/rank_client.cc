@@ -254,6 +254,12 @@ absl::Status RankClient::Init() {
 
 RankClient::~RankClient() { Detach().IgnoreError(); }
 
+absl::Status RankClient::CheckLayer(uint32_t layer) const {
+  if (layer < num_layers()) return absl::OkStatus();
+  return absl::NotFoundError(
+      absl::StrCat("layer: ", layer, " does not exist; the model has ", num_layers(), " layers"));
+}
+
 uint64_t RankClient::layer_numel(uint32_t layer) const {
   return layer < num_layers() ? layout_.layers(static_cast<int>(layer)).numel() : 0;
 }
@@ -307,10 +313,7 @@ absl::Status RankClient::BeginStep(uint64_t step, std::chrono::milliseconds time
 
 absl::Status RankClient::WaitLayer(uint32_t layer, uint64_t version,
                                    std::chrono::milliseconds timeout) {
-  if (layer >= num_layers()) {
-    return absl::NotFoundError(
-        absl::StrCat("layer: ", layer, " does not exist; the model has ", num_layers(), " layers"));
-  }
+  RETURN_IF_ERROR(CheckLayer(layer));
   auto* lc = control_.at<shm::LayerControl>(
       layout_.layers(static_cast<int>(layer)).control_offset_bytes());
   return WaitOn(
@@ -322,10 +325,7 @@ absl::Status RankClient::WaitLayer(uint32_t layer, uint64_t version,
 absl::StatusOr<uint64_t> RankClient::FetchParams(uint32_t layer, uint64_t version, void* dst,
                                                  size_t dst_bytes,
                                                  std::chrono::milliseconds timeout) {
-  if (layer >= num_layers()) {
-    return absl::NotFoundError(
-        absl::StrCat("layer: ", layer, " does not exist; the model has ", num_layers(), " layers"));
-  }
+  RETURN_IF_ERROR(CheckLayer(layer));
   const v1::LayerLayout& ll = layout_.layers(static_cast<int>(layer));
   if (dst == nullptr || dst_bytes != ll.param_bytes()) {
     return absl::InvalidArgumentError(absl::StrCat("dst_bytes: layer ", layer, " has ",
@@ -359,15 +359,16 @@ absl::Status RankClient::PushGrad(uint64_t step, uint32_t layer, const void* dat
   return PushGrad(step, layer, data, dtype, bytes, nullptr, timeout);
 }
 
-absl::Status RankClient::BeginLayerPush(uint64_t step, uint32_t layer) {
+absl::Status RankClient::CheckStepAndLayer(uint64_t step, uint32_t layer) const {
   if (step_ == 0 || step != step_) {
     return absl::OutOfRangeError(
         absl::StrCat("step: ", step, " is not the current step (", step_, ")"));
   }
-  if (layer >= num_layers()) {
-    return absl::NotFoundError(
-        absl::StrCat("layer: ", layer, " does not exist; the model has ", num_layers(), " layers"));
-  }
+  return CheckLayer(layer);
+}
+
+absl::Status RankClient::BeginLayerPush(uint64_t step, uint32_t layer) {
+  RETURN_IF_ERROR(CheckStepAndLayer(step, layer));
   if (pushed_[layer]) {
     return absl::AlreadyExistsError(
         absl::StrCat("layer ", layer, " was already pushed in step ", step));
@@ -395,10 +396,7 @@ const void* RankClient::LayerParams(uint32_t layer) const {
 }
 
 absl::Status RankClient::CheckLayerVersion(uint32_t layer, uint64_t version) const {
-  if (layer >= num_layers()) {
-    return absl::NotFoundError(
-        absl::StrCat("layer: ", layer, " does not exist; the model has ", num_layers(), " layers"));
-  }
+  RETURN_IF_ERROR(CheckLayer(layer));
   std::atomic_thread_fence(std::memory_order_acquire);
   auto* lc = const_cast<ShmSegment&>(control_).at<shm::LayerControl>(
       layout_.layers(static_cast<int>(layer)).control_offset_bytes());
@@ -474,14 +472,15 @@ absl::Status RankClient::PublishChunk(const ChunkSlotRef& ref, uint32_t layer, u
 absl::Status RankClient::PushGrad(uint64_t step, uint32_t layer, const void* data, int dtype,
                                   size_t bytes, const LayerStats* stats,
                                   std::chrono::milliseconds timeout) {
-  if (layer < num_layers() && step_ != 0 && step == step_ && dtype != grad_dtype_) {
+  RETURN_IF_ERROR(CheckStepAndLayer(step, layer));
+  if (dtype != grad_dtype_) {
     return absl::InvalidArgumentError(absl::StrCat("dtype: the job's gradients are ",
                                                    grad_dtype_ == 1 ? "FP32 (1)" : "BF16 (2)",
                                                    ", got ", dtype));
   }
   const uint64_t numel = layer_numel(layer);
   const size_t elem = DTypeBytes(dtype);
-  if (layer < num_layers() && (data == nullptr || bytes != numel * elem)) {
+  if (data == nullptr || bytes != numel * elem) {
     return absl::InvalidArgumentError(absl::StrCat("bytes: layer ", layer, " needs ", numel * elem,
                                                    " bytes (", numel, " elements), got ", bytes));
   }

@@ -86,6 +86,8 @@ class RankClient {
   uint32_t world_size() const { return layout_.world_size(); }
   uint32_t num_layers() const { return static_cast<uint32_t>(layout_.layers_size()); }
   const slidedp::v1::Layout& layout() const { return layout_; }
+  // NOT_FOUND naming the layer and the model's layer count for an unknown layer, else OK.
+  absl::Status CheckLayer(uint32_t layer) const;
   // Elements of a layer (0 for an unknown layer).
   uint64_t layer_numel(uint32_t layer) const;
   // The step BeginStep last began (0 before the first).
@@ -164,7 +166,10 @@ class RankClient {
   struct Session;
   explicit RankClient(Options options);
   absl::Status Init();
-  absl::Status CheckLive() const;  // ABORTED / UNAVAILABLE when the step can no longer go on
+  absl::Status CheckLive() const;
+  // OUT_OF_RANGE for a step other than the current one, NOT_FOUND for an unknown layer.
+  absl::Status CheckStepAndLayer(uint64_t step, uint32_t layer)
+      const;  // ABORTED / UNAVAILABLE when the step can no longer go on
   // Blocks on a futex word until `ready()` or the deadline; returns CheckLive() failures.
   template <typename Ready>
   absl::Status WaitOn(uint32_t* word, Ready ready, std::chrono::steady_clock::time_point deadline,

@@ -143,11 +143,7 @@ int slidedp_rank_world_size(const slidedp_rank* h, uint32_t* out) {
 int slidedp_rank_layer_numel(const slidedp_rank* h, uint32_t layer, uint64_t* numel) {
   SLIDEDP_CHECK_HANDLE(h);
   if (numel == nullptr) return Fail(absl::StatusCode::kInvalidArgument, "numel is null");
-  if (layer >= h->client->num_layers()) {
-    return Fail(absl::StatusCode::kNotFound,
-                absl::StrCat("layer: ", layer, " does not exist; the model has ",
-                             h->client->num_layers(), " layers"));
-  }
+  if (absl::Status s = h->client->CheckLayer(layer); !s.ok()) return Fail(s);
   *numel = h->client->layer_numel(layer);
   return Ok();
 }
@@ -168,11 +164,7 @@ int slidedp_rank_layer_info(const slidedp_rank* h, uint32_t layer, char* name, s
                             uint32_t* num_tensors) {
   SLIDEDP_CHECK_HANDLE(h);
   return Guard([&] {
-    if (layer >= h->client->num_layers()) {
-      return Fail(absl::StatusCode::kNotFound,
-                  absl::StrCat("layer: ", layer, " does not exist; the model has ",
-                               h->client->num_layers(), " layers"));
-    }
+    if (absl::Status s = h->client->CheckLayer(layer); !s.ok()) return Fail(s);
     const auto& ll = h->client->layout().layers(static_cast<int>(layer));
     if (num_tensors != nullptr) *num_tensors = static_cast<uint32_t>(ll.tensors_size());
     return CopyName(ll.name(), name, name_len);
@@ -184,11 +176,7 @@ int slidedp_rank_layer_tensor(const slidedp_rank* h, uint32_t layer, uint32_t in
                               int64_t* shape, uint32_t max_dims, uint32_t* ndims) {
   SLIDEDP_CHECK_HANDLE(h);
   return Guard([&] {
-    if (layer >= h->client->num_layers()) {
-      return Fail(absl::StatusCode::kNotFound,
-                  absl::StrCat("layer: ", layer, " does not exist; the model has ",
-                               h->client->num_layers(), " layers"));
-    }
+    if (absl::Status s = h->client->CheckLayer(layer); !s.ok()) return Fail(s);
     const auto& ll = h->client->layout().layers(static_cast<int>(layer));
     if (index >= static_cast<uint32_t>(ll.tensors_size())) {
       return Fail(absl::StatusCode::kNotFound,
