@@ -113,7 +113,6 @@ struct GpuDataPlane::Impl {
   ncclComm_t grad_comm = nullptr;
   bool owns_comms = false;
   uint64_t slot_bytes = 0;
-  uint64_t staging_elems = 0;
 
   std::mutex mu;
   std::condition_variable cv;
@@ -222,27 +221,12 @@ absl::Status GpuDataPlane::Init() {
     ASSIGN_OR_RETURN(s.free, NewEvent(false));
   }
 
-  // 4. Gradient staging, needed by the collective routes and by dtype casts.
-  const v1::GradRoute route = client_->layout().grad_route();
-  const bool collective =
-      route == v1::GRAD_ROUTE_GPU_REDUCTION || route == v1::GRAD_ROUTE_REDUCE_SCATTER;
+  // 4. Gradient staging, needed by the collective routes and by dtype casts. Device memory is
+  // taken on a buffer's first use (TakeStaging): the CPU-reduction route in the job's dtype never
+  // needs any, and the largest layer (the embeddings) would otherwise cost several GB per buffer.
   reduce_dtype_ = options_.reduce_in_fp32 ? 1 : client_->grad_dtype();
-  m.staging_elems = max_padded;
   m.staging.resize(options_.staging_buffers);
   for (StagingBuffer& b : m.staging) {
-    const uint64_t rb = DTypeBytes(reduce_dtype_);
-    RETURN_IF_CUDA_ERROR(cudaMalloc(&b.in, max_padded * rb), "cudaMalloc of gradient staging");
-    if (collective) {
-      RETURN_IF_CUDA_ERROR(cudaMalloc(&b.res, max_padded * rb), "cudaMalloc of gradient staging");
-      RETURN_IF_CUDA_ERROR(cudaMalloc(&b.out, max_padded * DTypeBytes(client_->grad_dtype())),
-                           "cudaMalloc of gradient staging");
-    }
-    RETURN_IF_CUDA_ERROR(cudaMalloc(&b.scratch, kernels::cuda::StatsScratchBytes(max_padded)),
-                         "cudaMalloc of statistics scratch");
-    RETURN_IF_CUDA_ERROR(
-        cudaHostAlloc(reinterpret_cast<void**>(&b.stats_host),
-                      sizeof(kernels::cuda::GradStatsResult), cudaHostAllocDefault),
-        "cudaHostAlloc of statistics");
     ASSIGN_OR_RETURN(b.ready, NewEvent(false));
     ASSIGN_OR_RETURN(b.free, NewEvent(false));
   }
@@ -261,6 +245,9 @@ absl::Status GpuDataPlane::Init() {
   }
 
   // 5. Communicators, when a route needs one.
+  const v1::GradRoute route = client_->layout().grad_route();
+  const bool collective =
+      route == v1::GRAD_ROUTE_GPU_REDUCTION || route == v1::GRAD_ROUTE_REDUCE_SCATTER;
   if (collective || options_.param_route == v1::PARAM_ROUTE_SHARDED) {
     RETURN_IF_ERROR(InitComms());
   }
@@ -433,10 +420,7 @@ absl::Status GpuDataPlane::CopyH2D(void* dst, const char* src, uint64_t bytes) {
 absl::StatusOr<GpuDataPlane::Slot> GpuDataPlane::Fetch(uint32_t layer, uint64_t version,
                                                        std::chrono::milliseconds timeout) {
   Impl& m = *impl_;
-  if (layer >= client_->num_layers()) {
-    return absl::NotFoundError(absl::StrCat("layer: ", layer, " does not exist; the model has ",
-                                            client_->num_layers(), " layers"));
-  }
+  RETURN_IF_ERROR(client_->CheckLayer(layer));
   const uint32_t index = static_cast<uint32_t>(fetches_ % m.slots.size());
   WindowSlot& ws = m.slots[index];
   if (ws.held) {
@@ -555,6 +539,33 @@ absl::Status GpuDataPlane::ReleaseSlot(const Slot& slot, cudaStream_t stream) {
   return client_->CheckLayerVersion(ws.layer, ws.version);
 }
 
+absl::Status GpuDataPlane::AllocateStaging(StagingBuffer& b) {
+  if (b.in != nullptr) return absl::OkStatus();
+  const v1::GradRoute route = client_->layout().grad_route();
+  const bool rs = route == v1::GRAD_ROUTE_REDUCE_SCATTER;
+  const bool collective = rs || route == v1::GRAD_ROUTE_GPU_REDUCTION;
+  // `in`: the caller's gradient cast (and on reduce-scatter padded) to the reduction dtype, or
+  // cast to the job's dtype on the CPU route. `res`/`out`: this rank's result, the whole layer
+  // (GPU reduction) or one shard (reduce-scatter).
+  const uint64_t padded = slot_elems_;
+  const uint64_t result = rs ? padded / client_->world_size() : padded;
+  const uint64_t job_bytes = DTypeBytes(client_->grad_dtype());
+  const uint64_t red_bytes = DTypeBytes(reduce_dtype_);
+  RETURN_IF_CUDA_ERROR(cudaMalloc(&b.in, padded * std::max(job_bytes, red_bytes)),
+                       "cudaMalloc of gradient staging (", padded, " elements)");
+  if (collective) {
+    RETURN_IF_CUDA_ERROR(cudaMalloc(&b.res, result * red_bytes), "cudaMalloc of gradient staging");
+    RETURN_IF_CUDA_ERROR(cudaMalloc(&b.out, result * job_bytes), "cudaMalloc of gradient staging");
+    RETURN_IF_CUDA_ERROR(cudaMalloc(&b.scratch, kernels::cuda::StatsScratchBytes(result)),
+                         "cudaMalloc of statistics scratch");
+    RETURN_IF_CUDA_ERROR(
+        cudaHostAlloc(reinterpret_cast<void**>(&b.stats_host),
+                      sizeof(kernels::cuda::GradStatsResult), cudaHostAllocDefault),
+        "cudaHostAlloc of statistics");
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<int> GpuDataPlane::TakeStaging(Clock::time_point deadline) {
   Impl& m = *impl_;
   std::unique_lock<std::mutex> l(m.mu);
@@ -567,6 +578,11 @@ absl::StatusOr<int> GpuDataPlane::TakeStaging(Clock::time_point deadline) {
         const bool wait_free = b.free_recorded;
         b.free_recorded = false;
         l.unlock();
+        if (absl::Status s = AllocateStaging(b); !s.ok()) {
+          std::lock_guard<std::mutex> relock(m.mu);
+          b.busy = false;
+          return s;
+        }
         if (wait_free) {
           RETURN_IF_CUDA_ERROR(cudaStreamWaitEvent(m.comm, b.free, 0), "staging reuse wait");
         }

@@ -61,6 +61,8 @@
 
 namespace slidedp::rankclient {
 
+struct StagingBuffer;  // gpu_plane.cc
+
 class GpuDataPlane {
  public:
   struct Options {
@@ -150,6 +152,7 @@ class GpuDataPlane {
   absl::Status InitComms();
   absl::Status CopyH2D(void* dst, const char* src, uint64_t bytes);
   absl::StatusOr<int> TakeStaging(std::chrono::steady_clock::time_point deadline);
+  absl::Status AllocateStaging(StagingBuffer& b);
   void CopierLoop();
   void PublisherLoop();
   void SetError(const absl::Status& s);
