@@ -211,6 +211,76 @@ TEST(GpuPlane, ScheduleKeepsLayersAheadAndDeliversThem) {
   cudaStreamDestroy(stream);
 }
 
+// Bad input through the plane gets the specific code and a message naming the field, and leaves
+// hostd's state untouched.
+TEST(GpuPlane, BadInputGetsSpecificCodesAndLeavesStateUntouched) {
+  auto h = StartHostd(v1::GRAD_ROUTE_CPU_REDUCTION, 1 << 20);
+  ASSERT_NE(h, nullptr);
+  auto client = AttachRank(*h);
+  ASSERT_NE(client, nullptr);
+  const uint64_t before = h->engine->state()->Checksum();
+  auto code_of = [](const GpuDataPlane::Options& o, RankClient* c) {
+    return GpuDataPlane::Create(c, o).status();
+  };
+  GpuDataPlane::Options o;
+  o.window_slots = 0;
+  absl::Status s = code_of(o, client.get());
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("window_slots"), std::string::npos) << s;
+  o = {};
+  o.h2d_chunk_bytes = 100;
+  s = code_of(o, client.get());
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("h2d_chunk_bytes"), std::string::npos) << s;
+  o = {};
+  o.device = 99;
+  s = code_of(o, client.get());
+  EXPECT_FALSE(s.ok());
+  EXPECT_NE(s.message().find("cudaSetDevice(99)"), std::string::npos) << s;
+  EXPECT_EQ(GpuDataPlane::Create(nullptr, {}).status().code(), absl::StatusCode::kInvalidArgument);
+
+  auto plane = GpuDataPlane::Create(client.get(), {});
+  ASSERT_TRUE(plane.ok()) << plane.status();
+  GpuDataPlane& p = **plane;
+  cudaStream_t stream;
+  ASSERT_CUDA(cudaStreamCreate(&stream));
+  float* grad = nullptr;
+  const uint64_t n = client->layer_numel(0);
+  ASSERT_CUDA(cudaMalloc(&grad, n * 4));
+  // Before the step: nothing can be fetched or pushed.
+  EXPECT_EQ(p.Fetch(0, 0, kTimeout).status().code(), absl::StatusCode::kOutOfRange);
+  EXPECT_EQ(p.PushGrad(1, 0, grad, 1, stream, kTimeout).code(), absl::StatusCode::kOutOfRange);
+  ASSERT_OK(p.BeginStep(1, kTimeout));
+  const uint32_t layers = client->num_layers();
+  s = p.Fetch(layers, 0, kTimeout).status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kNotFound);
+  EXPECT_NE(s.message().find("layer"), std::string::npos) << s;
+  EXPECT_EQ(p.Fetch(0, 1, kTimeout).status().code(), absl::StatusCode::kOutOfRange);
+  EXPECT_EQ(p.ReleaseSlot(GpuDataPlane::Slot{1, 0, 0, nullptr, 0}, stream).code(),
+            absl::StatusCode::kFailedPrecondition);
+  s = p.PushGrad(1, 0, grad, 3, stream, kTimeout);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("dtype"), std::string::npos) << s;
+  s = p.PushGrad(1, 0, nullptr, 1, stream, kTimeout);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("grad"), std::string::npos) << s;
+  EXPECT_EQ(p.PushGrad(1, layers, grad, 1, stream, kTimeout).code(),
+            absl::StatusCode::kNotFound);
+  EXPECT_EQ(p.PushGrad(2, 0, grad, 1, stream, kTimeout).code(), absl::StatusCode::kOutOfRange);
+  EXPECT_EQ(p.WaitGradConsumed(layers, stream).code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(p.BeginSchedule({0, layers}, 0).code(), absl::StatusCode::kInvalidArgument);
+  // None of it touched hostd's state.
+  EXPECT_EQ(h->engine->state()->Checksum(), before);
+  // A layer pushed twice in one step: ALREADY_EXISTS.
+  ASSERT_CUDA(cudaMemset(grad, 0, n * 4));
+  ASSERT_OK(p.PushGrad(1, 0, grad, 1, stream, kTimeout));
+  EXPECT_EQ(p.PushGrad(1, 0, grad, 1, stream, kTimeout).code(), absl::StatusCode::kAlreadyExists);
+  ASSERT_OK(p.WaitPushes(kTimeout));
+  plane->reset();
+  cudaFree(grad);
+  cudaStreamDestroy(stream);
+}
+
 // Runs `steps` steps pushing Gradient(l, t) and returns hostd's state checksum. via_gpu: the
 // plane from device memory (as FP32, or as BF16 when bf16_input; the job's dtype is FP32, so the
 // plane widens on the GPU); else RankClient::PushGrad from host memory (BF16-rounded values

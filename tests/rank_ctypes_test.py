@@ -24,6 +24,7 @@ import unittest
 HOSTD = SLIDEDPCTL = LIBPATH = None
 
 OK, INVALID_ARGUMENT, NOT_FOUND, ALREADY_EXISTS = 0, 3, 5, 6
+UNIMPLEMENTED = 12
 FAILED_PRECONDITION, OUT_OF_RANGE = 9, 11
 FP32, BF16 = 1, 2
 
@@ -209,6 +210,32 @@ class RankCtypesTest(unittest.TestCase):
         self.expect(OUT_OF_RANGE, lib.slidedp_rank_push_grad(h, 0, last, ptr(g), BF16, 2 * len(g),
                                                              1000), "step")
         self.assertEqual(self.layers(), before, "bad input changed the state")
+
+        # The GPU plane's calls: a null handle is INVALID_ARGUMENT; creating a plane fails with a
+        # specific code where it cannot work (UNIMPLEMENTED without CUDA, FAILED_PRECONDITION
+        # naming CUDA without a usable device) and leaves the rank usable.
+        vp = ctypes.c_void_p
+        lib.slidedp_gpu_wait_pushes.argtypes = [vp, ctypes.c_uint32]
+        lib.slidedp_gpu_begin_step.argtypes = [vp, ctypes.c_uint64, ctypes.c_uint32]
+        lib.slidedp_gpu_plane_create.argtypes = [vp, vp, ctypes.POINTER(vp)]
+        lib.slidedp_gpu_plane_destroy.argtypes = [vp]
+        has_gpu = lib.slidedp_rank_has_gpu()
+        if has_gpu:
+            self.expect(INVALID_ARGUMENT, lib.slidedp_gpu_wait_pushes(None, 10), "plane handle")
+            self.expect(INVALID_ARGUMENT, lib.slidedp_gpu_begin_step(None, 1, 10), "plane handle")
+            self.expect(INVALID_ARGUMENT, lib.slidedp_gpu_plane_create(h, None, ctypes.byref(vp())),
+                        "options")
+        popts = (ctypes.c_uint32 * 16)()
+        popts[0] = 1  # abi_version; device 0, defaults, replicated, no comm
+        plane = vp()
+        rc = lib.slidedp_gpu_plane_create(h, ctypes.cast(popts, vp), ctypes.byref(plane))
+        if not has_gpu:
+            self.expect(UNIMPLEMENTED, rc, "without CUDA")
+        elif rc != OK:
+            self.expect(FAILED_PRECONDITION, rc, "CUDA")
+        else:
+            self.expect(OK, lib.slidedp_gpu_plane_destroy(plane))
+        self.assertEqual(self.layers(), before, "a failed plane changed the state")
 
         for l in reversed(range(n.value)):
             g = grads[l]
