@@ -128,7 +128,6 @@ absl::Status RankClient::Init() {
     failpoint_at_ =
         colon == std::string::npos ? 1 : std::strtoull(spec.c_str() + colon + 1, nullptr, 10);
   }
-  backend_ = options_.backend ? options_.backend : std::shared_ptr<Backend>(MakeCpuBackend());
   session_ = std::make_unique<Session>();
   std::string target;
   if (!options_.tcp.empty()) {
@@ -349,7 +348,7 @@ absl::StatusOr<uint64_t> RankClient::FetchParams(uint32_t layer, uint64_t versio
     std::memcpy(dst, params_.at<char>(ll.param_offset_bytes()), dst_bytes / 2);
     raise(SIGKILL);
   }
-  RETURN_IF_ERROR(backend_->CopyParams(dst, params_.at<char>(ll.param_offset_bytes()), dst_bytes));
+  std::memcpy(dst, params_.at<char>(ll.param_offset_bytes()), dst_bytes);
   RETURN_IF_ERROR(CheckLayerVersion(layer, version));
   return version;
 }
@@ -492,7 +491,7 @@ absl::Status RankClient::PushGrad(uint64_t step, uint32_t layer, const void* dat
   for (uint64_t off = range.begin; off < range.begin + range.numel; off += chunk_elems) {
     const uint64_t n = std::min(chunk_elems, range.begin + range.numel - off);
     ASSIGN_OR_RETURN(ChunkSlotRef ref, AcquireChunkSlot(deadline));
-    RETURN_IF_ERROR(backend_->CopyGradChunk(ref.data, src + off * elem, n * elem));
+    std::memcpy(ref.data, src + off * elem, n * elem);
     RETURN_IF_ERROR(PublishChunk(ref, layer, off, n, dtype, off == range.begin ? stats : nullptr));
   }
   return absl::OkStatus();

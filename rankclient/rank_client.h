@@ -16,8 +16,8 @@
 //                   fetch_kill:N  SIGKILL it halfway through the copy of its N-th FetchParams;
 //                   push_stop:N   SIGSTOP it before its N-th gradient chunk.
 //
-// Host-memory copies go through a Backend (backend.h, the CPU backend). The GPU data plane
-// (gpu_plane.h) builds asynchronous, chunked H2D/D2H on the slot-level API below: it registers
+// FetchParams and PushGrad copy to and from host memory. The GPU data plane (gpu_plane.h)
+// builds asynchronous, chunked H2D/D2H on the slot-level API below instead: it registers
 // the mappings with CUDA, copies parameters straight out of the params mapping into GPU window
 // slots, and copies gradient chunks straight into this rank's ring slots.
 //
@@ -43,7 +43,6 @@
 #include "absl/status/statusor.h"
 #include "common/shm_segment.h"
 #include "proto/shm_abi.h"
-#include "rankclient/backend.h"
 #include "slidedp/v1/control.pb.h"
 
 namespace slidedp::rankclient {
@@ -56,10 +55,8 @@ class RankClient {
     std::string job_id;  // empty: hostd's job
     uint32_t rank = 0;
     std::string manifest_hash;    // the rank's model; must equal the job's
-    int32_t gpu = -1;             // -1: CPU backend
+    int32_t gpu = -1;             // the rank's CUDA device (reported to hostd); -1: none
     uint32_t timeout_ms = 30000;  // for RPCs
-    // Moves bytes between the mappings and the caller's memory; null: the CPU backend.
-    std::shared_ptr<Backend> backend;
   };
 
   static absl::StatusOr<std::unique_ptr<RankClient>> Attach(const Options& options);
@@ -96,9 +93,8 @@ class RankClient {
   // OUT_OF_RANGE when `step` is not the job's next step.
   absl::Status BeginStep(uint64_t step, std::chrono::milliseconds timeout);
 
-  // Waits for layer `layer` to reach `version` and copies its BF16 parameters into `dst` (memory
-  // of the backend)
-  // (`dst_bytes` == numel * 2). Returns the version copied (== version). NOT_FOUND: unknown
+  // Waits for layer `layer` to reach `version` and copies its BF16 parameters into `dst` (host
+  // memory, `dst_bytes` == numel * 2). Returns the version copied (== version). NOT_FOUND: unknown
   // layer; INVALID_ARGUMENT: wrong size; OUT_OF_RANGE: a version that cannot come in this step
   // (> step - 1) or one the layer is already past.
   absl::StatusOr<uint64_t> FetchParams(uint32_t layer, uint64_t version, void* dst,
@@ -192,7 +188,6 @@ class RankClient {
   bool pushing_rank_ = true;
   int grad_dtype_ = 2;
   bool detached_ = false;
-  std::shared_ptr<Backend> backend_;
   // Failure point (see above): kind and the count at which it fires; counters of this process.
   std::string failpoint_;
   uint64_t failpoint_at_ = 0;
