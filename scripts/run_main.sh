@@ -70,6 +70,9 @@ for rank in $(seq 0 $((R - 1))); do
   [ "$rank" = 0 ] && create="--create-job"
   gpu=()
   ((GPUS)) && gpu=(--gpu $((rank % GPUS)) "${ROUTE[@]}")
+  # Created here: the background job opens its redirection asynchronously, and the loop below
+  # reads the file at once.
+  : >"$RUN/rank$rank.log"
   "$TRAINER" --socket "$SOCK" --rank "$rank" --world-size "$R" \
     --layers "$LAYERS" --dim "$DIM" --batch "$BATCH" --lr "$LR" --steps "$STEPS" $create \
     "${gpu[@]}" >"$RUN/rank$rank.log" 2>&1 &
