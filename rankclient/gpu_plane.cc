@@ -421,13 +421,21 @@ absl::StatusOr<GpuDataPlane::Slot> GpuDataPlane::Fetch(uint32_t layer, uint64_t 
                                                        std::chrono::milliseconds timeout) {
   Impl& m = *impl_;
   RETURN_IF_ERROR(client_->CheckLayer(layer));
-  const uint32_t index = static_cast<uint32_t>(fetches_ % m.slots.size());
-  WindowSlot& ws = m.slots[index];
-  if (ws.held) {
-    return absl::FailedPreconditionError(absl::StrCat("window slot ", index, " still holds layer ",
-                                                      ws.layer, "; release it before fetching (",
-                                                      m.slots.size(), " slots)"));
+  // The first free slot from the rotation cursor: in a plain forward/backward rotation that is
+  // the least recently used one; a caller that keeps some layers longer (e.g. embeddings for the
+  // whole step) still gets the others.
+  uint32_t index = static_cast<uint32_t>(fetches_ % m.slots.size());
+  for (size_t tried = 0; m.slots[index].held; ++tried) {
+    if (tried + 1 >= m.slots.size()) {
+      std::string held;
+      for (const WindowSlot& w : m.slots) absl::StrAppend(&held, held.empty() ? "" : ", ", w.layer);
+      return absl::FailedPreconditionError(
+          absl::StrCat("every window slot is held (", m.slots.size(), " slots, layers ", held,
+                       "); release one before fetching layer ", layer, " or use more slots"));
+    }
+    index = static_cast<uint32_t>((index + 1) % m.slots.size());
   }
+  WindowSlot& ws = m.slots[index];
   const uint64_t cur = client_->current_step();
   if (cur == 0 || version + 1 > cur) {
     return absl::OutOfRangeError(absl::StrCat("version: ", version, " cannot come in step ", cur,
@@ -469,7 +477,7 @@ absl::StatusOr<GpuDataPlane::Slot> GpuDataPlane::Fetch(uint32_t layer, uint64_t 
   ws.held = true;
   ws.layer = layer;
   ws.version = version;
-  ++fetches_;
+  fetches_ = index + 1;
   return Slot{index, layer, version, dst, numel};
 }
 
@@ -499,8 +507,9 @@ absl::StatusOr<GpuDataPlane::Slot> GpuDataPlane::Next(std::chrono::milliseconds 
   // Keep up to prefetch_depth layers beyond the one returned now in flight, while slots allow.
   const size_t want = std::min(schedule_.size(), schedule_next_ + 1 + options_.prefetch_depth);
   while (schedule_fetched_ < want) {
-    const uint32_t index = static_cast<uint32_t>(fetches_ % impl_->slots.size());
-    if (impl_->slots[index].held) {
+    bool any_free = false;
+    for (const WindowSlot& w : impl_->slots) any_free = any_free || !w.held;
+    if (!any_free) {
       if (schedule_fetched_ > schedule_next_) break;  // the one needed now is already fetched
       return absl::FailedPreconditionError(
           absl::StrCat("every window slot is held; release slots before taking layer ",

@@ -171,6 +171,7 @@ absl::Status RankClient::Init() {
     RETURN_IF_ERROR(FromGrpc(session_->stub->AttachRank(&ctx, req, &attach), "AttachRank"));
   }
   layout_ = attach.layout();
+  next_step_ = attach.next_step();
   token_ = attach.attach_token();
   job_id_ = options_.job_id;
   grad_dtype_ = layout_.grad_dtype() == v1::DTYPE_FP32 ? 1 : 2;
@@ -331,13 +332,16 @@ absl::StatusOr<uint64_t> RankClient::FetchParams(uint32_t layer, uint64_t versio
                                                    ll.param_bytes(),
                                                    " bytes of BF16 parameters, got ", dst_bytes));
   }
-  if (step_ == 0 || version + 1 > step_) {
+  auto* lc = control_.at<shm::LayerControl>(ll.control_offset_bytes());
+  // Outside a step only the committed version can be read (nothing would produce another).
+  const bool committed_now =
+      shm::Atomic(lc->committed_version).load(std::memory_order_acquire) == version;
+  if (!committed_now && (step_ == 0 || version + 1 > step_)) {
     return absl::OutOfRangeError(absl::StrCat("version: ", version, " cannot come in step ", step_,
                                               "; expected at most ", step_ == 0 ? 0 : step_ - 1,
                                               " (begin the step first)"));
   }
   RETURN_IF_ERROR(WaitLayer(layer, version, timeout));
-  auto* lc = control_.at<shm::LayerControl>(ll.control_offset_bytes());
   const uint64_t before = shm::Atomic(lc->committed_version).load(std::memory_order_acquire);
   if (before != version) {
     return absl::OutOfRangeError(absl::StrCat("version: layer ", layer, " is at version ", before,

@@ -89,6 +89,8 @@ class RankClient {
   uint64_t layer_numel(uint32_t layer) const;
   // The step BeginStep last began (0 before the first).
   uint64_t current_step() const { return step_; }
+  // The job's next step when this rank attached (1 for a fresh job).
+  uint64_t next_step_at_attach() const { return next_step_; }
 
   // OUT_OF_RANGE when `step` is not the job's next step.
   absl::Status BeginStep(uint64_t step, std::chrono::milliseconds timeout);
@@ -96,7 +98,8 @@ class RankClient {
   // Waits for layer `layer` to reach `version` and copies its BF16 parameters into `dst` (host
   // memory, `dst_bytes` == numel * 2). Returns the version copied (== version). NOT_FOUND: unknown
   // layer; INVALID_ARGUMENT: wrong size; OUT_OF_RANGE: a version that cannot come in this step
-  // (> step - 1) or one the layer is already past.
+  // (> step - 1) or one the layer is already past. The layer's committed version can be read
+  // outside a step too (e.g. before the first BeginStep).
   absl::StatusOr<uint64_t> FetchParams(uint32_t layer, uint64_t version, void* dst,
                                        size_t dst_bytes, std::chrono::milliseconds timeout);
   absl::Status WaitLayer(uint32_t layer, uint64_t version, std::chrono::milliseconds timeout);
@@ -181,6 +184,7 @@ class RankClient {
   ShmSegment grads_;
   shm::ControlBlock* cb_ = nullptr;
   uint64_t step_ = 0;
+  uint64_t next_step_ = 0;
   uint64_t abort_epoch_ = 0;              // at BeginStep
   std::atomic<uint64_t> acquire_seq_{0};  // next chunk sequence number to acquire in the step
   std::atomic<uint64_t> publish_seq_{0};  // next chunk sequence number to publish

@@ -207,6 +207,29 @@ int slidedp_rank_grad_dtype(const slidedp_rank* h, int* dtype) {
   return Ok();
 }
 
+int slidedp_rank_grad_route(const slidedp_rank* h, int* route) {
+  SLIDEDP_CHECK_HANDLE(h);
+  if (route == nullptr) return Fail(absl::StatusCode::kInvalidArgument, "route is null");
+  switch (h->client->layout().grad_route()) {
+    case slidedp::v1::GRAD_ROUTE_GPU_REDUCTION:
+      *route = 2;
+      break;
+    case slidedp::v1::GRAD_ROUTE_REDUCE_SCATTER:
+      *route = 3;
+      break;
+    default:
+      *route = 1;
+  }
+  return Ok();
+}
+
+int slidedp_rank_next_step(const slidedp_rank* h, uint64_t* step) {
+  SLIDEDP_CHECK_HANDLE(h);
+  if (step == nullptr) return Fail(absl::StatusCode::kInvalidArgument, "step is null");
+  *step = h->client->next_step_at_attach();
+  return Ok();
+}
+
 int slidedp_rank_begin_step(slidedp_rank* h, uint64_t step, uint32_t timeout_ms) {
   SLIDEDP_CHECK_HANDLE(h);
   return Guard([&] {
@@ -370,6 +393,22 @@ int slidedp_gpu_wait_pushes(slidedp_gpu_plane* p, uint32_t timeout_ms) {
   });
 }
 
+int slidedp_gpu_stats(const slidedp_gpu_plane* p, slidedp_gpu_plane_stats* out) {
+  SLIDEDP_CHECK_PLANE(p);
+  if (out == nullptr) return Fail(absl::StatusCode::kInvalidArgument, "out is null");
+  const slidedp::rankclient::GpuDataPlane::Stats s = p->plane->stats();
+  out->h2d_bytes = s.h2d_bytes;
+  out->d2h_bytes = s.d2h_bytes;
+  out->chunks_pushed = s.chunks_pushed;
+  out->layers_fetched = s.layers_fetched;
+  out->register_seconds = s.register_seconds;
+  out->nccl_init_seconds = s.nccl_init_seconds;
+  out->copier_wait_seconds = s.copier_wait_seconds;
+  out->window_slots = p->plane->window_slots();
+  out->slot_elems = p->plane->slot_elems();
+  return Ok();
+}
+
 #else  // !SLIDEDP_RANK_WITH_GPU
 
 namespace {
@@ -397,6 +436,7 @@ int slidedp_gpu_push_grad(slidedp_gpu_plane*, uint64_t, uint32_t, const void*, i
 }
 int slidedp_gpu_wait_grad_consumed(slidedp_gpu_plane*, uint32_t, void*) { return NoGpu(); }
 int slidedp_gpu_wait_pushes(slidedp_gpu_plane*, uint32_t) { return NoGpu(); }
+int slidedp_gpu_stats(const slidedp_gpu_plane*, slidedp_gpu_plane_stats*) { return NoGpu(); }
 #endif
 
 }  // extern "C"

@@ -73,6 +73,10 @@ SLIDEDP_RANK_EXPORT int slidedp_rank_layer_tensor(const slidedp_rank* h, uint32_
                                                   uint32_t* ndims);
 /* The job's gradient dtype (SLIDEDP_DTYPE_*). */
 SLIDEDP_RANK_EXPORT int slidedp_rank_grad_dtype(const slidedp_rank* h, int* dtype);
+/* The job's gradient route: 1 CPU reduction, 2 GPU reduction, 3 reduce-scatter. */
+SLIDEDP_RANK_EXPORT int slidedp_rank_grad_route(const slidedp_rank* h, int* route);
+/* The job's next step when this handle attached (1 for a fresh job): the first step to begin. */
+SLIDEDP_RANK_EXPORT int slidedp_rank_next_step(const slidedp_rank* h, uint64_t* step);
 
 SLIDEDP_RANK_EXPORT int slidedp_rank_begin_step(slidedp_rank* h, uint64_t step,
                                                 uint32_t timeout_ms);
@@ -131,6 +135,20 @@ SLIDEDP_RANK_EXPORT int slidedp_gpu_push_grad(slidedp_gpu_plane* p, uint64_t ste
 SLIDEDP_RANK_EXPORT int slidedp_gpu_wait_grad_consumed(slidedp_gpu_plane* p, uint32_t layer,
                                                        void* stream);
 SLIDEDP_RANK_EXPORT int slidedp_gpu_wait_pushes(slidedp_gpu_plane* p, uint32_t timeout_ms);
+
+/* Cumulative counters of a plane (since its creation) and the shape of its window. */
+typedef struct slidedp_gpu_plane_stats {
+  uint64_t h2d_bytes;
+  uint64_t d2h_bytes;
+  uint64_t chunks_pushed;
+  uint64_t layers_fetched;
+  double register_seconds;    /* cudaHostRegister of the mappings */
+  double nccl_init_seconds;   /* communicator creation */
+  double copier_wait_seconds; /* gradient copier blocked on hostd freeing ring slots */
+  uint32_t window_slots;
+  uint64_t slot_elems; /* BF16 elements per window slot */
+} slidedp_gpu_plane_stats;
+SLIDEDP_RANK_EXPORT int slidedp_gpu_stats(const slidedp_gpu_plane* p, slidedp_gpu_plane_stats* out);
 
 #ifdef __cplusplus
 }

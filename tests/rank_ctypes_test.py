@@ -177,9 +177,11 @@ class RankCtypesTest(unittest.TestCase):
         before = self.layers()
         params = [ctypes.create_string_buffer(2 * k) for k in numel]
         got = ctypes.c_uint64()
-        # Before the step begins nothing can be fetched or pushed.
-        self.expect(OUT_OF_RANGE, lib.slidedp_rank_fetch_params(h, 0, 0, params[0], 2 * numel[0],
+        # Before the step begins only the committed version can be fetched, and nothing pushed.
+        self.expect(OUT_OF_RANGE, lib.slidedp_rank_fetch_params(h, 0, 1, params[0], 2 * numel[0],
                                                                 1000, ctypes.byref(got)))
+        self.expect(OK, lib.slidedp_rank_fetch_params(h, 0, 0, params[0], 2 * numel[0], 1000,
+                                                      ctypes.byref(got)))
         self.assertEqual(lib.slidedp_rank_begin_step(h, 1, 10000), OK)
         self.expect(OUT_OF_RANGE, lib.slidedp_rank_begin_step(h, 3, 1000), "step")
         for l in range(n.value):
