@@ -343,11 +343,15 @@ std::vector<KeyDescriptor> BuildKeys() {
       "world_size", job, "Number of rank processes in the job, 1 to 64.", kU32,
       [](const HostdConfig& c) { return c.world_size; },
       [](HostdConfig& c, uint64_t v) { c.world_size = static_cast<uint32_t>(v); }));
-  k.push_back(StringEnumKey(
+  k.push_back(StringKey(
       "init", job,
-      "Initial weights: normal (HF scheme: norms 1, biases 0, others N(0, initializer_range)) "
-      "or zeros (every normally-initialised tensor 0; for tests).",
-      {"normal", "zeros"}, &HostdConfig::init));
+      "Initial weights: auto (import the HF safetensors weights of the model directory when "
+      "--model is a directory holding model.safetensors or model.safetensors.index.json, else "
+      "random), random (from seed, HF scheme: norms 1, biases 0, others N(0, "
+      "initializer_range)), zeros (every normally-initialised tensor 0; for tests), or a path: a "
+      ".safetensors file, a model.safetensors.index.json, or a directory holding one (a path "
+      "contains '/' or ends in .safetensors; write ./NAME for a directory in the current one).",
+      &HostdConfig::init));
 
   const std::string opt = "Optimizer (AdamW)";
   k.push_back(DoubleKey(
@@ -617,7 +621,14 @@ absl::Status Validate(const HostdConfig& c, const WhereFn& where) {
     return fail("world_size",
                 absl::StrCat("must be in 1..", kMaxWorldSize, ", got ", c.world_size));
   }
-  if (!in_choices("init", c.init)) return fail("init", not_one_of("init", c.init));
+  if (c.init != "auto" && c.init != "random" && c.init != "zeros" &&
+      (c.init.find('/') == std::string::npos && !c.init.ends_with(".safetensors"))) {
+    return fail("init", absl::StrCat("'", c.init,
+                                     "' is not one of auto, random, zeros, or a path (a path "
+                                     "contains '/' or ends in .safetensors, e.g. ./",
+                                     c.init, ")"));
+  }
+  if (c.init.find('\0') != std::string::npos) return fail("init", "must not contain NUL");
 
   const OptimizerConfig& o = c.optimizer;
   if (!std::isfinite(o.lr()) || o.lr() < 0) {

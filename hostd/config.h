@@ -53,7 +53,7 @@ struct HostdConfig {
   std::string mlock = "required";  // required|best_effort|off
   std::string shm_mode = "0600";   // "0600" or "0660"
   std::string shm_group;           // only with 0660
-  std::string init = "normal";     // normal|zeros
+  std::string init = "auto";       // auto|random|zeros|PATH (hostd/hf_import.h)
   std::string log_level = "info";  // trace|debug|info|warn|error
   uint32_t heartbeat_interval_ms = 500;
   uint32_t heartbeat_deadline_ms = 5000;

@@ -104,7 +104,7 @@ TEST(ConfigTest, Defaults) {
   EXPECT_EQ(c.config.mlock, "required");
   EXPECT_EQ(c.config.shm_mode, "0600");
   EXPECT_EQ(c.config.shm_group, "");
-  EXPECT_EQ(c.config.init, "normal");
+  EXPECT_EQ(c.config.init, "auto");
   EXPECT_EQ(c.config.log_level, "info");
   EXPECT_EQ(c.config.heartbeat_interval_ms, 500u);
   EXPECT_EQ(c.config.heartbeat_deadline_ms, 5000u);
@@ -262,6 +262,22 @@ TEST(ConfigTest, SizeForms) {
   }
   const std::string file = tmp.Write("c.toml", "chunk_bytes = 8192\n");
   EXPECT_EQ(MustLoad({"--config", file}).config.routes.chunk_bytes(), 8192u);
+}
+
+TEST(ConfigTest, InitTakesKeywordsAndPaths) {
+  for (const std::string v : {"auto", "random", "zeros", "/models/q/model.safetensors", "./ckpt",
+                              "ckpt/", "w.safetensors", "/m/model.safetensors.index.json"}) {
+    const LoadedConfig c = MustLoad({"--init", v});
+    EXPECT_EQ(c.config.init, v);
+    EXPECT_EQ(Entry(c, "init").source, "flag");
+  }
+  EXPECT_EQ(MustLoad({}, {{"SLIDEDP_INIT", "random"}}).config.init, "random");
+  for (const std::string v : {"", "normal", "ckpt", "model.bin"}) {
+    const auto c = Load({"--init", v}, {});
+    ASSERT_FALSE(c.ok()) << v;
+    EXPECT_THAT(std::string(c.status().message()),
+                HasSubstr("is not one of auto, random, zeros, or a path"));
+  }
 }
 
 TEST(ConfigTest, EmptySlidedpConfigMeansNoFile) {
@@ -590,7 +606,12 @@ INSTANTIATE_TEST_SUITE_P(
                 {{"SLIDEDP_MLOCK", "maybe"}},
                 "",
                 {"mlock (env SLIDEDP_MLOCK): 'maybe' is not one of required, best_effort, off"}},
-        BadCase{"init", {"--init", "ones"}, {}, "", {"init (flag --init)", "normal, zeros"}},
+        BadCase{
+            "init",
+            {"--init", "ones"},
+            {},
+            "",
+            {"init (flag --init): 'ones' is not one of auto, random, zeros, or a path", "./ones"}},
         BadCase{"log_level",
                 {"--log_level", "verbose"},
                 {},

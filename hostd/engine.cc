@@ -6,6 +6,8 @@
 #include <time.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <filesystem>
 #include <random>
 
 #include "absl/strings/str_cat.h"
@@ -14,7 +16,9 @@
 #include "absl/strings/string_view.h"
 #include "common/status_macros.h"
 #include "common/version.h"
+#include "hostd/hf_import.h"
 #include "hostd/manifest.h"
+#include "hostd/safetensors.h"
 #include "spdlog/spdlog.h"
 
 namespace slidedp::hostd {
@@ -128,8 +132,16 @@ absl::Status Engine::Init(std::optional<Topology> topology) {
     *spec.mutable_routes() = config_.routes;
     spec.set_world_size(config_.world_size);
     spec.set_seed(config_.seed);
+    // LoadModel resolves the built-in names before paths, so a directory named "tiny" is not
+    // the model's directory unless written as a path.
+    std::string model_dir;
+    std::error_code ec;
+    if (config_.model != "tiny" && config_.model != "tiny-tied" &&
+        std::filesystem::is_directory(config_.model, ec)) {
+      model_dir = config_.model;
+    }
     absl::MutexLock lock(&mu_);
-    RETURN_IF_ERROR(CreateJobLocked(std::move(spec), std::move(model)));
+    RETURN_IF_ERROR(CreateJobLocked(std::move(spec), std::move(model), model_dir));
   }
   monitor_ = std::thread([this] { MonitorLoop(); });
   return absl::OkStatus();
@@ -199,7 +211,8 @@ absl::StatusOr<slidedp::v1::HandshakeResponse> Engine::Handshake(
   return resp;
 }
 
-absl::Status Engine::CreateJobLocked(slidedp::v1::JobSpec spec, LoadedModel model) {
+absl::Status Engine::CreateJobLocked(slidedp::v1::JobSpec spec, LoadedModel model,
+                                     const std::string& model_dir) {
   if (spec.world_size() == 0) spec.set_world_size(1);
   if (spec.world_size() > shm::kMaxRanks) {
     return absl::InvalidArgumentError(
@@ -232,7 +245,33 @@ absl::Status Engine::CreateJobLocked(slidedp::v1::JobSpec spec, LoadedModel mode
              : config_.mlock == "best_effort" ? MlockPolicy::kBestEffort
                                               : MlockPolicy::kRequired;
   so.seed = spec.seed();
-  so.zero_init = config_.init == "zeros";
+  const WeightsInit init = ResolveWeightsInit(config_.init, model_dir);
+  so.zero_init = init.kind == WeightsInit::Kind::kZeros;
+  // The checkpoint is opened and matched to the manifest before any memory is committed, so a
+  // bad or mismatched checkpoint fails here, fast, with the tensor named.
+  std::unique_ptr<SafetensorsCheckpoint> checkpoint;
+  ImportPlan plan;
+  if (init.kind == WeightsInit::Kind::kSafetensors) {
+    const std::string context = absl::StrCat("init (", config_.init, ")");
+    auto opened = SafetensorsCheckpoint::Open(init.path);
+    if (!opened.ok()) return Annotate(opened.status(), context);
+    checkpoint = std::move(*opened);
+    auto planned = PlanImport(so.model.manifest, *checkpoint);
+    if (!planned.ok()) return Annotate(planned.status(), context);
+    plan = std::move(*planned);
+    so.import = &plan;
+    spdlog::info("importing weights from {} ({} file(s), {:.2f} GiB)", plan.checkpoint,
+                 plan.num_files, static_cast<double>(plan.bytes) / (1ull << 30));
+    if (!plan.ignored.empty()) {
+      constexpr size_t kNamed = 5;
+      std::vector<std::string> named(
+          plan.ignored.begin(), plan.ignored.begin() + static_cast<std::ptrdiff_t>(
+                                                           std::min(plan.ignored.size(), kNamed)));
+      spdlog::info("ignoring {} checkpoint tensor(s) the model does not use: {}{}",
+                   plan.ignored.size(), absl::StrJoin(named, ", "),
+                   plan.ignored.size() > kNamed ? ", ..." : "");
+    }
+  }
   so.instance_nonce = std::random_device()() | (uint64_t{std::random_device()()} << 32);
   so.chunk_bytes = routes->chunk_bytes();
   so.grad_ring_slots = kGradRingSlots;
@@ -258,10 +297,11 @@ absl::Status Engine::CreateJobLocked(slidedp::v1::JobSpec spec, LoadedModel mode
   const auto t0 = SteadyClock::now();
   ASSIGN_OR_RETURN(state_, TrainingState::Create(so, pool_.get()));
   spdlog::info(
-      "job '{}': model {} ({}), {} layers, {} parameters, {:.2f} GiB shared memory, "
+      "job '{}': model {} ({}), {} layers, {} parameters, weights {}, {:.2f} GiB shared memory, "
       "created in {:.2f} s",
       spec.job_id(), state_->model().manifest.name(), state_->model().source, state_->num_layers(),
-      state_->total_params(), static_cast<double>(state_->shm_bytes()) / (1ull << 30),
+      state_->total_params(), state_->weights_source(),
+      static_cast<double>(state_->shm_bytes()) / (1ull << 30),
       std::chrono::duration<double>(SteadyClock::now() - t0).count());
   *spec.mutable_manifest() = state_->model().manifest;
   UpdateWorker::Options wo;
@@ -335,7 +375,7 @@ absl::StatusOr<slidedp::v1::CreateJobResponse> Engine::CreateJob(
   LoadedModel model;
   model.manifest = r.spec().manifest();
   model.source = "rpc";
-  RETURN_IF_ERROR(CreateJobLocked(r.spec(), std::move(model)));
+  RETURN_IF_ERROR(CreateJobLocked(r.spec(), std::move(model), /*model_dir=*/""));
   slidedp::v1::CreateJobResponse resp;
   *resp.mutable_spec() = *job_;
   return resp;
@@ -770,6 +810,7 @@ absl::StatusOr<slidedp::v1::GetStatusResponse> Engine::GetStatus() {
   *js->mutable_routes() = job_->routes();
   *js->mutable_optimizer() = worker_->optimizer();
   js->set_current_lr(LearningRate(worker_->optimizer(), next_step_));
+  js->set_weights_source(state_->weights_source());
   for (auto& l : LayerStatuses()) *resp.add_layers() = std::move(l);
   for (auto& r : RankStatuses()) *resp.add_ranks() = std::move(r);
   for (const auto& seg : state_->segments()) {

@@ -118,8 +118,10 @@ class Engine {
 
   explicit Engine(HostdConfig config, std::vector<ConfigEntry> entries);
   absl::Status Init(std::optional<Topology> topology);
-  absl::Status CreateJobLocked(slidedp::v1::JobSpec spec, LoadedModel model)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // `model_dir`: the model's directory, where init "auto" looks for safetensors weights; empty
+  // for a built-in model, a config.json path or a job created over RPC.
+  absl::Status CreateJobLocked(slidedp::v1::JobSpec spec, LoadedModel model,
+                               const std::string& model_dir) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status CheckJob(absl::string_view job_id) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
   absl::Status CheckServing() const ABSL_SHARED_LOCKS_REQUIRED(mu_);
   void AbortStepLocked(uint64_t step, absl::string_view reason) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

@@ -119,6 +119,27 @@ absl::Status TrainingState::Initialize(const Options& options, ThreadPool* pool)
     layers_.push_back(std::move(info));
   }
 
+  if (const ImportPlan* plan = options.import; plan != nullptr) {
+    bool fits = plan->sources.size() == layers_.size();
+    for (size_t l = 0; fits && l < layers_.size(); ++l) {
+      fits = plan->sources[l].size() == layers_[l].tensors.size();
+      for (size_t t = 0; fits && t < layers_[l].tensors.size(); ++t) {
+        fits = plan->sources[l][t].name == layers_[l].tensors[t].name &&
+               plan->sources[l][t].tensor->numel == layers_[l].tensors[t].numel;
+      }
+    }
+    if (!fits) {
+      return absl::InvalidArgumentError(absl::StrCat("the import plan of ", plan->checkpoint,
+                                                     " was not made for this model's manifest"));
+    }
+    weights_source_ = absl::StrCat("safetensors ", plan->checkpoint);
+    if (plan->num_files > 1) absl::StrAppend(&weights_source_, " (", plan->num_files, " files)");
+  } else if (options.zero_init) {
+    weights_source_ = "zeros";
+  } else {
+    weights_source_ = absl::StrCat("random (seed ", options.seed, ")");
+  }
+
   const std::string& inst = options.instance;
   for (auto kind :
        {shm::SegmentKind::kControl, shm::SegmentKind::kState, shm::SegmentKind::kParams}) {
@@ -195,7 +216,12 @@ absl::Status TrainingState::Initialize(const Options& options, ThreadPool* pool)
     float* m = exp_avg(info.index);
     float* v = exp_avg_sq(info.index);
     uint16_t* p = params(info.index);
-    for (const TensorRange& t : info.tensors) {
+    for (size_t ti = 0; ti < info.tensors.size(); ++ti) {
+      const TensorRange& t = info.tensors[ti];
+      if (options.import != nullptr) {
+        RETURN_IF_ERROR(ImportTensor(options.import->sources[info.index][ti], w + t.offset, pool));
+        continue;
+      }
       InitKind init = t.init;
       if (options.zero_init && init == InitKind::kNormal) init = InitKind::kZeros;
       auto fill = [&](size_t b, size_t e, int) {

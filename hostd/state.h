@@ -7,10 +7,11 @@
 // Layer regions start on page boundaries so ranks can register and DMA them in chunks.
 //
 // Create() sizes, binds, populates and locks the segments (see ShmSegment), then initializes
-// the weights deterministically from the seed: element i of tensor T gets a value that depends
-// only on (seed, T's name, i), so the init does not depend on thread count or layer order.
-// Norm weights are 1, biases 0, other tensors N(0, initializer_range). m = v = 0, every layer
-// at version 0, and the BF16 params are the round-to-nearest-even cast of the master.
+// the weights: imported from an HF safetensors checkpoint (Options::import, see hf_import.h),
+// or deterministically from the seed: element i of tensor T gets a value that depends only on
+// (seed, T's name, i), so the init does not depend on thread count or layer order. Norm weights
+// are 1, biases 0, other tensors N(0, initializer_range). m = v = 0, every layer at version 0,
+// and the BF16 params are the round-to-nearest-even cast of the master.
 //
 // Ownership: TrainingState owns the mappings; it removes the segment names on destruction only
 // when set_remove_on_destroy(true) (a clean stop), so a crash leaves them for re-adoption.
@@ -25,6 +26,7 @@
 
 #include "absl/status/statusor.h"
 #include "common/shm_segment.h"
+#include "hostd/hf_import.h"
 #include "hostd/manifest.h"
 #include "proto/shm_abi.h"
 
@@ -73,6 +75,9 @@ class TrainingState {
     MlockPolicy mlock = MlockPolicy::kRequired;
     uint64_t seed = 0;
     bool zero_init = false;  // "init = zeros": every tensor 0 except norms (1)
+    // Initial weights from a checkpoint instead of the seed: a plan from PlanImport for
+    // model.manifest, which must outlive Create (not the state).
+    const ImportPlan* import = nullptr;
     uint64_t instance_nonce = 0;
     // Gradient staging: per rank a ring of grad_ring_slots chunks of chunk_bytes.
     uint64_t chunk_bytes = 1 << 20;
@@ -82,7 +87,8 @@ class TrainingState {
   };
 
   // ALREADY_EXISTS if segments of this instance exist (the caller decides to adopt or remove),
-  // RESOURCE_EXHAUSTED when memory is short, INVALID_ARGUMENT for a bad manifest.
+  // RESOURCE_EXHAUSTED when memory is short, INVALID_ARGUMENT for a bad manifest, an import
+  // plan that does not fit it, or ImportTensor's errors (no segment is left behind then).
   static absl::StatusOr<std::unique_ptr<TrainingState>> Create(const Options& options,
                                                                ThreadPool* pool);
   // Removes every segment name of `instance` (stale state nobody will adopt).
@@ -99,6 +105,8 @@ class TrainingState {
   const std::vector<LayerInfo>& layers() const { return layers_; }
   uint32_t num_layers() const { return static_cast<uint32_t>(layers_.size()); }
   uint64_t total_params() const { return total_params_; }
+  // Where the initial weights came from: "random (seed N)", "zeros" or "safetensors PATH".
+  const std::string& weights_source() const { return weights_source_; }
 
   float* master(uint32_t layer) const;
   float* exp_avg(uint32_t layer) const;
@@ -147,6 +155,7 @@ class TrainingState {
   int numa_node_ = -1;
   std::vector<LayerInfo> layers_;
   uint64_t total_params_ = 0;
+  std::string weights_source_;
   uint64_t chunk_bytes_ = 0;
   uint32_t grad_ring_slots_ = 0;
   // Declared in creation order; destroyed in reverse.

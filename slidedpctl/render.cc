@@ -186,6 +186,9 @@ void PrintStatus(const v1::GetStatusResponse& status, std::ostream& out) {
   summary.AddRow({"uptime", FormatDurationMs(status.uptime_ms())});
   if (status.has_job()) {
     summary.AddRow({"job", DescribeJob(status.job())});
+    if (!status.job().weights_source().empty()) {
+      summary.AddRow({"weights", status.job().weights_source()});
+    }
     summary.AddRow({"optimizer", DescribeOptimizer(status.job())});
     summary.AddRow({"routes", DescribeRoutes(status.job().routes())});
   } else {
