@@ -5,7 +5,8 @@
 #   there:  scripts/gpu_suite.sh BUNDLE OUT [bench parts, default a,b,c,d; "none" skips]
 # Runs the bundle's environment check, every gpu-labelled test (kernels, GpuShardPass, the GPU
 # data plane against an in-process hostd, the C ABI through torch, the native GPU trainer against
-# the CPU reference) and bench/gpu_plane/run_gpu_plane_bench.py; logs and JSON go to OUT.
+# the CPU reference, python_client against GPU-resident torch AdamW) and
+# bench/gpu_plane/run_gpu_plane_bench.py; logs and JSON go to OUT.
 # Exit status: the number of failed steps.
 set -u
 cd "$(dirname "$0")/.."
@@ -31,6 +32,8 @@ step rank_ctypes_gpu_test timeout 300 python3 tests/rank_ctypes_gpu_test.py "$B/
   "$B/slidedpctl" "$BUNDLE/lib/libslidedp_rank.so"
 step gpu_trainer_test timeout 600 python3 tests/gpu_trainer_test.py "$B/hostd" \
   "$B/native_gpu_trainer" "$B/native_reference"
+step python_client_gpu_test timeout 900 python3 tests/python_client_test.py "$B/hostd" \
+  "$BUNDLE/lib/libslidedp_rank.so" --device cuda
 if [ "$PARTS" != none ]; then
   step gpu_plane_bench timeout 900 python3 bench/gpu_plane/run_gpu_plane_bench.py --bin "$B" \
     --out "$OUT/gpu_plane.json" --parts "$PARTS"

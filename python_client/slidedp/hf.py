@@ -1,0 +1,893 @@
+"""Attach a Hugging Face causal LM (Llama, Qwen2, Qwen3 families) to hostd.
+
+    model, opt = slidedp.attach(model, hostd="unix:///run/slidedp/hostd.sock")
+    for batch in data:
+        loss = model(input_ids=batch, labels=batch).loss
+        loss.backward()
+        stats = opt.step()        # the step boundary; returns the step's figures
+        opt.zero_grad()
+
+What attach does to the model: every parameter hostd owns (all of them: embeddings, decoder
+layers, final norm, lm_head) gives up its storage; forward pre-hooks put a layer's BF16 parameters
+in place (views of a GPU window slot, or a host copy on the CPU backend) just before the layer
+runs, and post-accumulate-grad hooks gather each layer's gradient into one flat buffer and push it
+to hostd as soon as the layer's backward is done, while backward goes on with earlier layers.
+hostd applies AdamW (FP32 master, fused BF16 cast) and publishes the next version; the next step's
+forward waits for it per layer (the version gate).
+
+Per-layer policy (the schedule of one step):
+  decoder layers  fetched before their forward (with `prefetch` layers ahead) and released after
+                  it, except the last `prefetch` ones, which stay for backward; fetched again for
+                  backward (recompute with checkpointing="full"; for checkpointing="none" the
+                  saved parameter views are replaced by tokens and fetched again when autograd
+                  unpacks them); released when their gradient has been pushed.
+  embeddings, final norm, lm_head
+                  fetched at their first use and kept in the window until their gradient has
+                  been pushed (host-side update, like every layer). Their update is the last of
+                  the step; the next forward starts with it (see README: step-boundary drain).
+"""
+import collections
+import contextlib
+import logging
+import os
+import time
+import weakref
+
+import torch
+import torch.utils.checkpoint
+
+from ._lib import DTYPE_BF16, DTYPE_FP32, SlideDPError
+from .rank import FOREVER_MS, GpuPlane, RankHandle, manifest_hash
+
+log = logging.getLogger("slidedp")
+
+SUPPORTED_FAMILIES = ("llama", "qwen2", "qwen3")
+_TORCH_DTYPE = {DTYPE_FP32: torch.float32, DTYPE_BF16: torch.bfloat16}
+
+
+def _in_backward():
+    return torch._C._current_graph_task_id() != -1
+
+
+class _Layer:
+    __slots__ = ("info", "index", "kind", "params", "numel", "flat", "slot", "ready", "grads_seen",
+                 "nparams", "acc", "pushed")
+
+    def __init__(self, info, kind, params):
+        self.info, self.index, self.kind = info, info.index, kind
+        self.params = params  # [(Parameter, TensorInfo)], unique parameters
+        self.nparams = len(params)
+        self.numel = info.numel
+        self.flat = None  # the layer's parameters on the compute device (flat, compute dtype)
+        self.slot = None  # GPU window slot while held
+        self.ready = False  # the compute stream waits for the slot's copy
+        self.grads_seen = 0
+        self.acc = None  # gradient buffer (FP32 accumulator when accumulating)
+        self.pushed = False
+
+
+class _CpuBackend:
+    """Host copies through slidedp_rank_fetch_params / push_grad (CPU training, tests)."""
+
+    name = "cpu"
+    windowed = False
+
+    def __init__(self, rank, compute_dtype):
+        self.rank, self.compute_dtype = rank, compute_dtype
+        self.h2d_bytes = self.d2h_bytes = 0
+
+    def begin_step(self, step):
+        self.rank.begin_step(step)
+
+    def fetch(self, layer, version):
+        buf = torch.empty(layer.numel, dtype=torch.bfloat16)
+        self.rank.fetch_params(layer.index, version, buf.data_ptr(), layer.numel * 2)
+        self.h2d_bytes += layer.numel * 2
+        layer.flat = buf if self.compute_dtype == torch.bfloat16 else buf.to(self.compute_dtype)
+        layer.ready = True
+
+    def make_ready(self, layer):
+        pass
+
+    def release(self, layer):
+        layer.flat = None
+
+    def push(self, step, layer, grad):
+        g = grad.contiguous()
+        self.rank.push_grad(step, layer.index, g.data_ptr(), self.rank.grad_dtype,
+                            g.numel() * g.element_size())
+        self.d2h_bytes += g.numel() * g.element_size()
+
+    def end_step(self):
+        pass
+
+    def counters(self):
+        return {"h2d_bytes": self.h2d_bytes, "d2h_bytes": self.d2h_bytes}
+
+    def is_window_tensor(self, t):
+        return False
+
+    def close(self):
+        pass
+
+
+class _CpuWindowBackend(_CpuBackend):
+    """The GPU backend's window discipline on the host (BF16 compute on the CPU): a fixed set of
+    slots in one buffer, fetches refused when every slot is held, saved views turned into tokens.
+    Lets CPU-only machines test the schedule the GPU runs (attach(..., cpu_window=True))."""
+
+    name = "cpu-window"
+    windowed = True
+
+    def __init__(self, rank, slots, slot_elems):
+        super().__init__(rank, torch.bfloat16)
+        self.window_slots, self.slot_elems = slots, slot_elems
+        self.window = torch.empty(slots * slot_elems, dtype=torch.bfloat16)
+        self.window_ptr = self.window.untyped_storage().data_ptr()
+        self.held = set()
+
+    def fetch(self, layer, version):
+        free = [i for i in range(self.window_slots) if i not in self.held]
+        if not free:
+            raise SlideDPError(9, f"every window slot is held ({self.window_slots} slots); "
+                                  f"release one before fetching layer {layer.index}")
+        slot = free[0]
+        view = self.window[slot * self.slot_elems: slot * self.slot_elems + layer.numel]
+        self.rank.fetch_params(layer.index, version, view.data_ptr(), layer.numel * 2)
+        self.h2d_bytes += layer.numel * 2
+        self.held.add(slot)
+        layer.slot, layer.flat, layer.ready = slot, view, True
+
+    def release(self, layer):
+        if layer.slot is not None:
+            self.held.discard(layer.slot)
+        layer.slot, layer.flat, layer.ready = None, None, False
+
+    def is_window_tensor(self, t):
+        return t.device.type == "cpu" and t.untyped_storage().data_ptr() == self.window_ptr
+
+
+class _CaiHolder:
+    """Exposes a device pointer range to torch.as_tensor (CUDA array interface, int16 elements)."""
+
+    def __init__(self, ptr, elems):
+        self.__cuda_array_interface__ = {"shape": (elems,), "typestr": "<i2",
+                                         "data": (ptr, False), "version": 2, "strides": None}
+
+
+class _GpuBackend:
+    """The GPU data plane: BF16 window slots filled by H2D from hostd's params mapping, gradients
+    D2H'd (or reduced by NCCL) into hostd's rings, all ordered against torch's current stream."""
+
+    name = "gpu"
+    windowed = True
+
+    def __init__(self, rank, device, window_slots, h2d_chunk_bytes, param_route, max_pending,
+                 time_waits):
+        self.rank, self.device = rank, device
+        self.plane = GpuPlane(rank, device.index or 0, window_slots=window_slots,
+                              h2d_chunk_bytes=h2d_chunk_bytes, param_route=param_route)
+        self.window_slots, self.slot_elems = self.plane.window_slots, self.plane.slot_elems
+        self.window = None  # one bf16 tensor over every slot (set at the first fetch)
+        self.window_ptr = 0
+        self.pending = collections.deque()  # (layer index, grad buffer) not yet consumed
+        self.max_pending = max_pending
+        self.time_waits = time_waits
+        self.wait_events = []
+
+    def _stream(self):
+        return torch.cuda.current_stream(self.device)
+
+    def begin_step(self, step):
+        self.plane.begin_step(step)
+
+    def fetch(self, layer, version):
+        slot, ptr, numel = self.plane.fetch(layer.index, version)
+        se = self.slot_elems
+        if self.window is None:
+            base = ptr - slot * se * 2
+            holder = _CaiHolder(base, self.window_slots * se)
+            self.window = torch.as_tensor(holder, device=self.device).view(torch.bfloat16)
+            self.window_ptr = base
+        layer.slot = slot
+        layer.flat = self.window[slot * se: slot * se + numel]
+        layer.ready = False
+
+    def make_ready(self, layer):
+        if layer.ready:
+            return
+        s = self._stream()
+        if self.time_waits:
+            e0 = torch.cuda.Event(enable_timing=True)
+            e1 = torch.cuda.Event(enable_timing=True)
+            e0.record(s)
+            self.plane.wait_slot(layer.slot, s.cuda_stream)
+            e1.record(s)
+            self.wait_events.append((e0, e1))
+        else:
+            self.plane.wait_slot(layer.slot, s.cuda_stream)
+        layer.ready = True
+
+    def release(self, layer):
+        if layer.slot is not None:
+            self.plane.release_slot(layer.slot, self._stream().cuda_stream)
+        layer.slot, layer.flat, layer.ready = None, None, False
+
+    def push(self, step, layer, grad):
+        s = self._stream()
+        dtype = DTYPE_FP32 if grad.dtype == torch.float32 else DTYPE_BF16
+        self.plane.push_grad(step, layer.index, grad.data_ptr(), dtype, s.cuda_stream)
+        self.pending.append((layer.index, grad))
+        while len(self.pending) > self.max_pending:
+            idx, _ = self.pending.popleft()
+            # The buffer returns to torch's allocator after this; later users of the memory on
+            # this stream are ordered after the D2H.
+            self.plane.wait_grad_consumed(idx, s.cuda_stream)
+
+    def end_step(self):
+        self.plane.wait_pushes()
+        self.pending.clear()
+
+    def slot_wait_seconds(self):
+        total = 0.0
+        for e0, e1 in self.wait_events:
+            e1.synchronize()
+            total += e0.elapsed_time(e1) / 1e3
+        self.wait_events.clear()
+        return total
+
+    def counters(self):
+        st = self.plane.stats()
+        return {"h2d_bytes": st["h2d_bytes"], "d2h_bytes": st["d2h_bytes"]}
+
+    def is_window_tensor(self, t):
+        return (self.window is not None and t.is_cuda
+                and t.untyped_storage().data_ptr() == self.window_ptr)
+
+    def close(self):
+        self.pending.clear()
+        self.window = None
+        self.plane.destroy()
+
+
+class _Token:
+    """A saved tensor that is a view of a window slot: re-fetched when autograd unpacks it."""
+    __slots__ = ("layer", "offset", "size", "stride")
+
+    def __init__(self, layer, offset, size, stride):
+        self.layer, self.offset, self.size, self.stride = layer, offset, size, stride
+
+
+def _flops_per_token(config, nparams, seq):
+    layers = config.num_hidden_layers
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    h = config.num_attention_heads * head_dim
+    return 6 * nparams + 6 * layers * h * seq
+
+
+class SlideDPOptimizer:
+    """The step boundary of an attached model. hostd runs AdamW; this object only marks steps.
+    `step()` returns the step's figures (a dict; also logged on logger 'slidedp')."""
+
+    def __init__(self, runtime):
+        self._rt = runtime
+        self.param_groups = [{"params": [], "lr": None}]
+        self.state = {}
+
+    def step(self, closure=None):
+        if closure is not None:
+            with torch.enable_grad():
+                closure()
+        return self._rt.end_step()
+
+    def zero_grad(self, set_to_none=True):
+        pass  # gradients never stay in .grad: they are pushed to hostd during backward
+
+    def state_dict(self):
+        raise SlideDPError(12, "the optimizer state lives in hostd; checkpoint it with hostd "
+                               "(slidedpctl), not through the client")
+
+    def load_state_dict(self, state):
+        self.state_dict()
+
+    def close(self):
+        self._rt.close()
+
+
+class StreamedRuntime:
+    def __init__(self, model, rank, backend, layers, decoder_order, settings):
+        self.model = model
+        self.rank = rank
+        self.backend = backend
+        self.layers = layers  # hostd layer index -> _Layer
+        self.decoders = decoder_order  # hostd layer indices of decoder layers, forward order
+        self.dec_pos = {l: i for i, l in enumerate(decoder_order)}
+        self.s = settings
+        self.next_step = rank.next_step
+        self.step = None
+        self.micro = 0
+        self.layers_done = 0
+        self.hooks = []
+        self.restore = []
+        self.closed = False
+        self.tokens = 0
+        self.seq = 0
+        self.t_step0 = None
+        self.fetch_wait = 0.0
+        self.begin_wait = 0.0
+        self.nparams = sum(l.numel for l in layers.values())
+        self.counters0 = backend.counters()
+        self.forward_depth = 0
+
+    # ---- parameters in and out of the window ----
+    def _version(self):
+        return self.step - 1
+
+    def _materialize(self, layer):
+        for p, ti in layer.params:
+            p.data = layer.flat[ti.offset: ti.offset + ti.numel].view(ti.shape)
+
+    def _dematerialize(self, layer):
+        ph = self.s["placeholder"]
+        for p, _ in layer.params:
+            p.data = ph
+
+    def _fetch(self, layer):
+        t0 = time.perf_counter()
+        try:
+            self.backend.fetch(layer, self._version())
+        except SlideDPError as e:
+            if e.code == 9 and "window slot" in str(e):
+                raise SlideDPError(9, f"{e.message} (window_slots={self.s['window_slots']}; the schedule "
+                                      f"needs about {self.s['slots_needed']})") from None
+            raise
+        self.fetch_wait += time.perf_counter() - t0
+
+    def _acquire(self, idx):
+        layer = self.layers[idx]
+        if layer.flat is None:
+            self._fetch(layer)
+        self.backend.make_ready(layer)
+        self._materialize(layer)
+        return layer
+
+    def _free_slots(self):
+        held = sum(1 for l in self.layers.values() if l.slot is not None)
+        return self.s["window_slots"] - held
+
+    def _prefetch(self, pos, direction):
+        if not self.backend.windowed:
+            return
+        for k in range(1, self.s["prefetch"] + 1):
+            p = pos + direction * k
+            if p < 0 or p >= len(self.decoders):
+                break
+            layer = self.layers[self.decoders[p]]
+            if layer.flat is None and not layer.pushed:
+                if self._free_slots() <= 1:  # keep one slot for the layer needed next
+                    break
+                self._fetch(layer)
+
+    def _release(self, layer):
+        self._dematerialize(layer)
+        self.backend.release(layer)
+
+    # ---- hooks ----
+    def _on_model_pre(self, module, args, kwargs):
+        if self.closed:
+            raise SlideDPError(9, "this model was detached from hostd (opt.close())")
+        self.forward_depth += 1
+        if self.step is None:
+            self._begin()
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        if ids is not None and torch.is_grad_enabled():
+            self.tokens += ids.numel()
+            self.seq = ids.shape[-1]
+
+    def _on_model_post(self, module, args, kwargs, out):
+        self.forward_depth -= 1
+        if not torch.is_grad_enabled():
+            for layer in self.layers.values():
+                if layer.flat is not None and not self._kept_for_backward(layer):
+                    self._release(layer)
+        elif self.backend.windowed:
+            # Backward starts from the end of the decoder stack: fetch its first layers now.
+            self._prefetch(len(self.decoders), -1)
+        return out
+
+    def _kept_for_backward(self, layer):
+        return layer.grads_seen > 0 or (torch.is_grad_enabled() and layer.kind != "decoder")
+
+    def _begin(self):
+        t0 = time.perf_counter()
+        if self.t_step0 is None:
+            self.t_step0 = t0
+        self.step = self.next_step
+        self.backend.begin_step(self.step)
+        self.begin_wait += time.perf_counter() - t0
+        self.micro = 0
+        self.layers_done = 0
+        for layer in self.layers.values():
+            layer.pushed = False
+            layer.grads_seen = 0
+
+    def _on_pre(self, idxs, module, args):
+        for idx in idxs:
+            layer = self._acquire(idx)
+            if layer.kind == "decoder":
+                pos = self.dec_pos[idx]
+                self._prefetch(pos, -1 if _in_backward() else 1)
+
+    def _on_post(self, idxs, module, args, out, recompute=False):
+        if _in_backward():
+            return out
+        for idx in idxs:
+            layer = self.layers[idx]
+            if layer.kind != "decoder" or layer.flat is None:
+                continue  # embeddings, norm and lm_head stay until their gradient is pushed
+            if not torch.is_grad_enabled():
+                self._release(layer)
+            elif self.backend.windowed:
+                # Saved views of the window become tokens (_pack), so the slot can go; the last
+                # `prefetch` layers stay for the start of backward.
+                if self.dec_pos[idx] < len(self.decoders) - self.s["prefetch"]:
+                    self._release(layer)
+            elif recompute:
+                # CPU: the recompute fetches the layer again. Without recompute the saved
+                # tensors hold the host copy and the parameters stay in place until their
+                # gradients have accumulated.
+                self._release(layer)
+        return out
+
+    def _pack(self, t):
+        try:
+            in_window = self.backend.is_window_tensor(t)
+        except (RuntimeError, NotImplementedError):  # tensors without a plain storage
+            in_window = False
+        if in_window:
+            se = self.backend.slot_elems
+            off = t.storage_offset()
+            slot = off // se
+            for layer in self.layers.values():
+                if layer.slot == slot:
+                    return _Token(layer.index, off - slot * se, tuple(t.shape), t.stride())
+        return t
+
+    def _unpack(self, x):
+        if not isinstance(x, _Token):
+            return x
+        layer = self._acquire(x.layer)
+        if layer.kind == "decoder":
+            self._prefetch(self.dec_pos[x.layer], -1)
+        base = layer.slot * self.backend.slot_elems
+        return self.backend.window.as_strided(x.size, x.stride, base + x.offset)
+
+    def _on_grad(self, idx, ti, p):
+        layer = self.layers[idx]
+        g = p.grad
+        accum = self.s["accumulation_steps"]
+        last = self.micro == accum - 1
+        if layer.acc is None:
+            if accum > 1:
+                layer.acc = torch.zeros(layer.numel, dtype=torch.float32, device=g.device)
+            else:
+                layer.acc = torch.empty(layer.numel, dtype=_TORCH_DTYPE[self.rank.grad_dtype],
+                                        device=g.device)
+        seg = layer.acc[ti.offset: ti.offset + ti.numel].view(ti.shape)
+        if accum > 1:
+            seg.add_(g)
+        else:
+            seg.copy_(g)
+        p.grad = None
+        layer.grads_seen += 1
+        if layer.grads_seen < layer.nparams:
+            return
+        layer.grads_seen = 0
+        if last:
+            grad = layer.acc
+            if grad.dtype != _TORCH_DTYPE[self.rank.grad_dtype] and self.backend.name != "gpu":
+                grad = grad.to(_TORCH_DTYPE[self.rank.grad_dtype])
+            self.backend.push(self.step, layer, grad)
+            layer.acc = None
+            layer.pushed = True
+        if layer.flat is not None:
+            self._release(layer)
+        self.layers_done += 1
+        if self.layers_done == len(self.layers):
+            self.layers_done = 0
+            self.micro += 1
+
+    def install(self):
+        model = self.model
+        self.hooks.append(model.register_forward_pre_hook(self._on_model_pre, with_kwargs=True))
+        self.hooks.append(model.register_forward_hook(self._on_model_post, with_kwargs=True))
+        seen = set()
+        for idx, layer in self.layers.items():
+            for p, ti in layer.params:
+                if id(p) in seen:
+                    continue
+                seen.add(id(p))
+                self.hooks.append(p.register_post_accumulate_grad_hook(
+                    lambda p, idx=idx, ti=ti: self._on_grad(idx, ti, p)))
+        for module, idxs in self.s["modules"]:
+            if self.layers[idxs[0]].kind == "decoder":
+                self._wrap_decoder(module, idxs)
+                continue
+            self.hooks.append(module.register_forward_pre_hook(
+                lambda m, a, idxs=idxs: self._on_pre(idxs, m, a)))
+            self.hooks.append(module.register_forward_hook(
+                lambda m, a, o, idxs=idxs: self._on_post(idxs, m, a, o)))
+
+    def _wrap_decoder(self, module, idxs):
+        # The fetch runs inside the checkpointed function, so the recompute in backward fetches
+        # the layer again (module hooks may run outside a checkpoint, depending on the library).
+        orig = module.forward
+        ckpt = self.s["checkpointing"] == "full"
+
+        def run(recompute, *args, **kwargs):
+            self._on_pre(idxs, module, args)
+            out = orig(*args, **kwargs)
+            return self._on_post(idxs, module, args, out, recompute)
+
+        def forward(*args, **kwargs):
+            # Like HF's own checkpointing: only in training mode.
+            if ckpt and module.training and torch.is_grad_enabled():
+                return torch.utils.checkpoint.checkpoint(run, True, *args, use_reentrant=False,
+                                                         **kwargs)
+            return run(False, *args, **kwargs)
+
+        module.forward = forward
+        self.restore.append((module, "forward"))
+
+    @contextlib.contextmanager
+    def saved_tensor_hooks(self):
+        if self.backend.windowed:
+            with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+                yield
+        else:
+            yield
+
+    # ---- the step boundary ----
+    def end_step(self):
+        accum = self.s["accumulation_steps"]
+        if self.step is None or self.micro != accum:
+            missing = [l.info.name for l in self.layers.values() if not l.pushed]
+            raise SlideDPError(9, f"opt.step() after {self.micro} complete backward passes; "
+                                  f"accumulation_steps={accum} (layers without a pushed gradient: "
+                                  f"{missing[:4]}{'...' if len(missing) > 4 else ''})")
+        t0 = time.perf_counter()
+        self.backend.end_step()
+        push_wait = time.perf_counter() - t0
+        now = time.perf_counter()
+        dt = now - self.t_step0
+        slot_wait = self.backend.slot_wait_seconds() if self.backend.name == "gpu" else 0.0
+        c = self.backend.counters()
+        world = self.rank.world_size
+        tokens = self.tokens * world
+        flops = _flops_per_token(self.model.config, self.nparams, self.seq or 1) * tokens
+        stats = {
+            "step": self.step, "step_time_s": dt, "tokens": tokens,
+            "tokens_per_s": tokens / dt if dt > 0 else 0.0,
+            "model_tflops_per_gpu": flops / dt / world / 1e12 if dt > 0 else 0.0,
+            "param_fetch_wait_s": self.fetch_wait, "param_slot_wait_s": slot_wait,
+            "step_begin_wait_s": self.begin_wait, "push_wait_s": push_wait,
+            "h2d_bytes": c["h2d_bytes"] - self.counters0["h2d_bytes"],
+            "d2h_bytes": c["d2h_bytes"] - self.counters0["d2h_bytes"],
+        }
+        self.counters0 = c
+        self.next_step = self.step + 1
+        self.step = None
+        self.micro = 0
+        self.t_step0 = now
+        self.tokens = 0
+        self.fetch_wait = self.begin_wait = 0.0
+        log.info("step %d: %.3f s, %.0f tok/s, %.1f TFLOPS/GPU, param wait %.3f+%.3f s, "
+                 "begin wait %.3f s, push wait %.3f s", stats["step"], dt, stats["tokens_per_s"],
+                 stats["model_tflops_per_gpu"], stats["param_fetch_wait_s"], slot_wait,
+                 stats["step_begin_wait_s"], push_wait)
+        return stats
+
+    def fetch_state_dict(self):
+        """hostd's BF16 parameters as {HF name: CPU tensor}: between steps the version the last
+        step produced (after waiting for its updates), within a step the one it trains on."""
+        if self.step is None:
+            version = self.next_step - 1
+            if version >= self.rank.next_step:  # a step this handle ran: wait for its updates
+                self.rank.wait_step(version)
+        else:
+            version = self.step - 1
+        out = {}
+        for l in self.layers.values():
+            buf = torch.empty(l.numel, dtype=torch.bfloat16)
+            self.rank.fetch_params(l.index, version, buf.data_ptr(), l.numel * 2)
+            for _, ti in l.params:
+                out[ti.name] = buf[ti.offset: ti.offset + ti.numel].view(ti.shape).clone()
+        return out
+
+    def close(self):
+        if self.closed:
+            return
+        self.closed = True
+        for h in self.hooks:
+            h.remove()
+        for module, attr in self.restore:
+            module.__dict__.pop(attr, None)
+        try:
+            if self.step is None and self.next_step > self.rank.next_step:
+                # Detaching before the last step's updates are applied would abort it.
+                self.rank.wait_step(self.next_step - 1)
+        finally:
+            self.backend.close()
+            self.rank.detach()
+
+
+def _env_int(name):
+    v = os.environ.get(name)
+    return int(v) if v not in (None, "") else None
+
+
+def _resolve_rank(rank, world_size):
+    if rank is None:
+        rank = _env_int("RANK")
+    if world_size is None:
+        world_size = _env_int("WORLD_SIZE")
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        if rank is None:
+            rank = torch.distributed.get_rank()
+        if world_size is None:
+            world_size = torch.distributed.get_world_size()
+    return rank or 0, world_size
+
+
+def _find_decoder_stack(model):
+    base = getattr(model, "model", None)
+    layers = getattr(base, "layers", None)
+    if not isinstance(layers, torch.nn.ModuleList):
+        raise SlideDPError(3, f"model: {type(model).__name__} has no model.layers ModuleList; "
+                              f"expected an HF *ForCausalLM of the {', '.join(SUPPORTED_FAMILIES)} "
+                              "families")
+    return base
+
+
+def _reinit_meta_buffers(model, device):
+    for name, module in list(model.named_modules()):
+        metas = [b for b in module.buffers(recurse=False) if b.is_meta]
+        if not metas:
+            continue
+        if type(module).__name__.endswith("RotaryEmbedding"):
+            with torch.device("cpu"):  # constructors differ across versions in a device arg
+                fresh = type(module)(config=model.config).to(device)
+            parent_name, _, attr = name.rpartition(".")
+            setattr(model.get_submodule(parent_name) if parent_name else model, attr, fresh)
+        else:
+            raise SlideDPError(3, f"model: buffer of {name} ({type(module).__name__}) is on the "
+                                  "meta device and cannot be recomputed; build the model on the "
+                                  "CPU or pass a model whose buffers are materialized")
+
+
+def _layer_checksums(tensors):
+    # float64 sum and sum of squares of the BF16-rounded values, per tensor.
+    return [(float(t.detach().to(torch.bfloat16).double().sum()),
+             float(t.detach().to(torch.bfloat16).double().square().sum())) for t in tensors]
+
+
+def attach(model, hostd="unix:///run/slidedp/hostd.sock", *, rank=None, world_size=None,
+           device=None, job_id="", checkpointing="full", offload_ratio=0.0,
+           accumulation_steps=1, window_slots=None, prefetch=2, h2d_chunk_bytes=0,
+           param_route="replicated", max_pending_grads=4, verify_init=True, time_waits=True,
+           timeout_s=60, cpu_window=False, lib=None):
+    """Attaches an HF causal LM to hostd's job and returns (model, optimizer).
+
+    hostd: its socket ("unix:///path" or a path). rank/world_size: default RANK/WORLD_SIZE
+    (torchrun) or the initialized process group, else 0/hostd's. device: default
+    cuda:LOCAL_RANK when CUDA is available, else cpu. checkpointing: "full" (recompute each decoder
+    layer in backward) or "none". accumulation_steps: micro-batches per optimizer step (gradients
+    accumulated in FP32 on the compute device). window_slots: GPU window size in layers (default:
+    enough for the schedule). prefetch: decoder layers fetched ahead. verify_init: on a fresh job,
+    check that hostd's weights equal the model's (BF16-rounded) before training them.
+    cpu_window: on the CPU, compute in BF16 through a window of slots like the GPU's (tests the
+    GPU schedule without a GPU).
+    """
+    from . import _lib  # noqa: F401  (load errors surface here)
+
+    cfg = getattr(model, "config", None)
+    family = getattr(cfg, "model_type", None)
+    if family not in SUPPORTED_FAMILIES:
+        raise SlideDPError(3, f"model_type: {family!r} is not supported; expected one of "
+                              f"{', '.join(SUPPORTED_FAMILIES)}")
+    if checkpointing not in ("full", "none"):
+        raise SlideDPError(3, f"checkpointing: {checkpointing!r}, expected 'full' or 'none'")
+    if not (0.0 <= float(offload_ratio) <= 1.0):
+        raise SlideDPError(3, f"offload_ratio: {offload_ratio}, expected a value in [0, 1]")
+    if offload_ratio != 0.0:
+        raise SlideDPError(12, "offload_ratio: activation offload is not available in this "
+                               "version; use 0")
+    if int(accumulation_steps) < 1:
+        raise SlideDPError(3, f"accumulation_steps: {accumulation_steps}, expected >= 1")
+    if int(prefetch) < 0:
+        raise SlideDPError(3, f"prefetch: {prefetch}, expected >= 0")
+    base = _find_decoder_stack(model)
+    rank, world_size = _resolve_rank(rank, world_size)
+    if device is None:
+        if torch.cuda.is_available():
+            device = torch.device("cuda", _env_int("LOCAL_RANK") or 0)
+        else:
+            device = torch.device("cpu")
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+
+    cfg_json = cfg.to_json_string()
+    mhash = manifest_hash(cfg_json, lib)
+    try:
+        rh = RankHandle(hostd, rank, mhash, gpu=device.index if device.type == "cuda" else -1,
+                        job_id=job_id, timeout_ms=int(timeout_s * 1000), lib=lib)
+    except SlideDPError as e:
+        if e.code == 9 and "manifest" in str(e):
+            raise SlideDPError(9, f"the model does not match hostd's job: this model "
+                                  f"({family}, {cfg.num_hidden_layers} layers, hidden "
+                                  f"{cfg.hidden_size}, vocab {cfg.vocab_size}) has manifest hash "
+                                  f"{mhash}; hostd said: {e}") from None
+        raise
+    try:
+        if world_size is not None and world_size != rh.world_size:
+            raise SlideDPError(9, f"world_size: this job runs {world_size} ranks "
+                                  f"(WORLD_SIZE/process group) but hostd's job expects "
+                                  f"{rh.world_size}; start hostd with --world_size {world_size}")
+        return _attach(model, base, rh, device, mhash, dict(
+            checkpointing=checkpointing, accumulation_steps=int(accumulation_steps),
+            window_slots=window_slots, prefetch=int(prefetch), h2d_chunk_bytes=h2d_chunk_bytes,
+            param_route=param_route, max_pending=int(max_pending_grads), verify=verify_init,
+            time_waits=time_waits, cpu_window=bool(cpu_window)))
+    except BaseException:
+        rh.detach()
+        raise
+
+
+def _replace_meta_params(model, placeholder):
+    """Meta parameters cannot take a real tensor through .data: give their modules new
+    Parameter objects (one per original, so tied weights stay tied)."""
+    fresh = {}
+    for module in model.modules():
+        for name, p in list(module._parameters.items()):
+            if p is not None and p.is_meta:
+                if id(p) not in fresh:
+                    fresh[id(p)] = torch.nn.Parameter(placeholder, requires_grad=p.requires_grad)
+                module._parameters[name] = fresh[id(p)]
+
+
+def _attach(model, base, rh, device, mhash, s):
+    shapes = {n: tuple(p.shape) for n, p in model.named_parameters(remove_duplicate=False)}
+    if any(p.is_meta for p in model.parameters()):
+        _replace_meta_params(model, torch.empty(0, dtype=torch.bfloat16, device=device))
+        meta = True
+    else:
+        meta = False
+    named = dict(model.named_parameters(remove_duplicate=False))
+    embed = model.get_input_embeddings()
+    out_emb = model.get_output_embeddings()
+    kinds = {}
+    for i, m in enumerate(base.layers):
+        kinds[f"model.layers.{i}"] = "decoder"
+    layers, covered, modules = {}, set(), []
+    for info in rh.layers:
+        kind = kinds.get(info.name)
+        try:
+            module = model.get_submodule(info.name)
+        except AttributeError:
+            raise SlideDPError(9, f"hostd's layer {info.name!r} has no module in this model") from None
+        if kind is None:
+            kind = ("embedding" if module is embed else "lm_head" if module is out_emb
+                    else "norm")
+        params = []
+        for ti in info.tensors:
+            p = named.get(ti.name)
+            if p is None:
+                raise SlideDPError(9, f"hostd's tensor {ti.name!r} (layer {info.name}) is not a "
+                                      "parameter of this model")
+            if shapes[ti.name] != tuple(ti.shape):
+                raise SlideDPError(9, f"{ti.name}: the model's shape is {shapes[ti.name]}, hostd's "
+                                      f"is {ti.shape}")
+            params.append((p, ti))
+            covered.add(id(p))
+        layers[info.index] = _Layer(info, kind, params)
+        modules.append((module, [info.index]))
+    # Tied output embeddings: the lm_head module uses the embedding's layer.
+    if out_emb is not None and id(out_emb.weight) in covered and \
+            all(m is not out_emb for m, _ in modules):
+        owner = next(l.index for l in layers.values() if any(p is out_emb.weight
+                                                             for p, _ in l.params))
+        modules.append((out_emb, [owner]))
+    uncovered = [n for n, p in named.items() if id(p) not in covered]
+    if uncovered:
+        raise SlideDPError(9, f"parameters hostd does not own: {uncovered[:5]}"
+                              f"{'...' if len(uncovered) > 5 else ''}")
+    decoders = [l.index for l in sorted(layers.values(), key=lambda l: l.index)
+                if l.kind == "decoder"]
+
+    # Checksums of the model's own weights, to verify hostd's on a fresh job.
+    verify = s["verify"] and rh.next_step == 1 and not meta
+    sums = {l.index: _layer_checksums([p for p, _ in l.params]) for l in layers.values()} \
+        if verify else None
+
+    if device.type == "cuda" or s["cpu_window"]:
+        compute_dtype = torch.bfloat16
+    else:
+        first = next(iter(named.values()))
+        compute_dtype = first.dtype if first.dtype in (torch.float32, torch.bfloat16) \
+            else torch.float32
+    placeholder = torch.empty(0, dtype=compute_dtype, device=device)
+    for l in layers.values():
+        for p, _ in l.params:
+            p.data = placeholder
+            p.grad = None
+    _reinit_meta_buffers(model, device)
+    model.to(device)
+    if hasattr(model.config, "use_cache"):
+        model.config.use_cache = False
+    # slidedp checkpoints decoder layers itself (StreamedRuntime._wrap_decoder).
+    if "is_activation_checkpointing" in dir(type(model)):  # transformers >= 5.2x
+        if model.is_activation_checkpointing:
+            model.activation_checkpointing_disable()
+    elif getattr(model, "is_gradient_checkpointing", False):
+        model.gradient_checkpointing_disable()
+
+    nondec = sum(1 for l in layers.values() if l.kind != "decoder")
+    needed = nondec + 2 * s["prefetch"] + 2
+    minimum = nondec + s["prefetch"] + 2
+    if s["window_slots"] is not None and (device.type == "cuda" or s["cpu_window"]) and \
+            int(s["window_slots"]) < minimum:
+        raise SlideDPError(3, f"window_slots: {s['window_slots']}, expected >= {minimum} for this "
+                              f"model with prefetch={s['prefetch']} (embeddings, final norm and "
+                              f"lm_head stay in the window: {nondec} slots; the decoder layers "
+                              f"need prefetch + 2; {needed} lets backward start prefetched)")
+    if device.type == "cuda":
+        slots = s["window_slots"] or needed
+        backend = _GpuBackend(rh, device, slots, s["h2d_chunk_bytes"], s["param_route"],
+                              s["max_pending"], s["time_waits"])
+        slots = backend.plane.window_slots
+    elif s["cpu_window"]:
+        slots = s["window_slots"] or needed
+        backend = _CpuWindowBackend(rh, slots, max(l.numel for l in layers.values()))
+    else:
+        slots = s["window_slots"] or needed
+        backend = _CpuBackend(rh, compute_dtype)
+    settings = dict(s, window_slots=slots, slots_needed=needed, placeholder=placeholder,
+                    modules=modules)
+    rt = StreamedRuntime(model, rh, backend, layers, decoders, settings)
+    rt.install()
+    if sums is not None:
+        _verify_init(rt, layers, sums)
+    model.slidedp = rt
+    # Route the model's forward through the saved-tensor hooks (window views become tokens).
+    orig_forward = model.forward
+    rt_ref = weakref.ref(rt)
+
+    def forward(*args, **kwargs):
+        r = rt_ref()
+        if r is None:
+            return orig_forward(*args, **kwargs)
+        with r.saved_tensor_hooks():
+            return orig_forward(*args, **kwargs)
+    model.forward = forward
+    log.info("rank %d attached to %s: %d layers (%d decoder), %.2fB parameters, %s backend, "
+             "window %d slots, grad route %s, checkpointing %s", rh.rank, rh.socket, len(layers),
+             len(decoders), rt.nparams / 1e9, backend.name, slots, rh.grad_route,
+             s["checkpointing"])
+    return model, SlideDPOptimizer(rt)
+
+
+def _verify_init(rt, layers, sums):
+    """Compares hostd's version-0 parameters with the model's weights (checksums of the
+    BF16-rounded values) through the host path, before any step begins."""
+    for l in layers.values():
+        buf = torch.empty(l.numel, dtype=torch.bfloat16)
+        rt.rank.fetch_params(l.index, rt.next_step - 1, buf.data_ptr(), l.numel * 2)
+        got = _layer_checksums([buf[ti.offset: ti.offset + ti.numel] for _, ti in l.params])
+        for (p, ti), a, b in zip(l.params, sums[l.index], got):
+            if a != b:
+                raise SlideDPError(9, f"hostd's weights differ from the model's: {ti.name} has "
+                                      f"sum {b!r} in hostd, {a!r} in the model. Start hostd with "
+                                      "this model's weights (save_pretrained to a directory and "
+                                      "`hostd --model DIR`) or pass verify_init=False to train "
+                                      "hostd's weights")
