@@ -1,0 +1,129 @@
+"""SlideDP entry of the HF head-to-head benchmark (bench/hf_head_to_head/run.py).
+
+run.py imports `run_slidedp` in its own child process (one per (system, ckpt, batch)) and records
+what it returns ({"status": "error", "why": ...} when it raises).
+
+run_slidedp(cfg, batch, seq, steps, warmup, ckpt, **opts) -> dict
+  Starts hostd (a child of this process, so the harness samples its RSS/PSS with ours) on cfg
+  (config.json only: hostd initializes the weights from its seed), builds the model on the meta
+  device, attaches it with slidedp (one rank on opts["device"]), trains warmup + steps steps on
+  opts["input_ids"] and returns the measured steps' wall times, the last loss, the per-step
+  breakdown slidedp reports (parameter waits, step-boundary wait, push wait, bytes moved),
+  hostd's update counters (slidedpctl stats) and the GPU memory in use.
+  opts: device, dry_run, seed, input_ids, lr, weight_decay, betas, eps, mark_phase, repo_root
+  (from the harness) and, from --slidedp-opt KEY=VALUE: bundle (a deploy/bundle directory; default
+  $SLIDEDP_BUNDLE, else REPO/.carry/bundle, else REPO/build), window_slots, prefetch,
+  update_threads, chunk_bytes, h2d_chunk_bytes, hostd_args (list of extra hostd flags).
+"""
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+
+def _paths(repo, bundle):
+    cands = [bundle, os.environ.get("SLIDEDP_BUNDLE"), os.path.join(repo, ".carry", "bundle")]
+    for b in cands:
+        if b and os.path.exists(os.path.join(b, "bin", "hostd")):
+            return (os.path.join(b, "bin", "hostd"), os.path.join(b, "bin", "slidedpctl"),
+                    os.path.join(b, "lib", "libslidedp_rank.so"))
+    build = os.path.join(repo, "build")
+    return (os.path.join(build, "hostd", "hostd"), os.path.join(build, "slidedpctl", "slidedpctl"),
+            os.path.join(build, "rankclient", "libslidedp_rank.so"))
+
+
+def run_slidedp(cfg, batch, seq, steps, warmup, ckpt, **opts):
+    import torch
+    import transformers
+    repo = opts["repo_root"]
+    hostd_bin, ctl_bin, lib = _paths(repo, opts.get("bundle"))
+    os.environ["SLIDEDP_RANK_LIB"] = lib
+    sys.path.insert(0, os.path.join(repo, "python_client"))
+    import slidedp
+
+    work = tempfile.mkdtemp(prefix="slidedp-h2h-")
+    cfg.save_pretrained(work)
+    sock = os.path.join(work, "hostd.sock")
+    betas = opts.get("betas", (0.9, 0.999))
+    cmd = [hostd_bin, "--model", work, "--socket", sock, "--instance", f"h2h{os.getpid()}",
+           "--mlock", "best_effort", "--seed", str(opts.get("seed", 0)),
+           "--lr", str(opts.get("lr", 1e-5)), "--weight_decay", str(opts.get("weight_decay", 0.01)),
+           "--beta1", str(betas[0]), "--beta2", str(betas[1]), "--eps", str(opts.get("eps", 1e-8))]
+    if opts.get("update_threads"):
+        cmd += ["--update_threads", str(opts["update_threads"])]
+    if opts.get("chunk_bytes"):
+        cmd += ["--chunk_bytes", str(opts["chunk_bytes"])]
+    cmd += list(opts.get("hostd_args", []))
+    log = open(os.path.join(work, "hostd.log"), "w+")
+    t0 = time.perf_counter()
+    hostd = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    opt = None
+    try:
+        while not os.path.exists(sock):
+            if hostd.poll() is not None:
+                log.seek(0)
+                raise RuntimeError(f"hostd exited {hostd.returncode}: {log.read()[-3000:]}")
+            time.sleep(0.1)
+        hostd_start_s = time.perf_counter() - t0
+        with torch.device("meta"):
+            model = transformers.AutoModelForCausalLM.from_config(cfg)
+        model.train()
+        dev = opts.get("device", "cuda")
+        kw = {k: opts[k] for k in ("window_slots", "prefetch", "h2d_chunk_bytes") if k in opts}
+        model, opt = slidedp.attach(model, hostd=sock, device=dev,
+                                    checkpointing="full" if ckpt else "none",
+                                    verify_init=False, **kw)
+        x = opts["input_ids"].to(dev)
+        cuda = dev != "cpu" and torch.cuda.is_available()
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+        times, per_step, loss = [], [], None
+        mark = opts.get("mark_phase")
+        for i in range(warmup + steps):
+            if i == 0 and mark:
+                mark("train")
+            t = time.perf_counter()
+            loss = model(input_ids=x, labels=x).loss
+            loss.backward()
+            st = opt.step()
+            if cuda:
+                torch.cuda.synchronize()
+            dt = time.perf_counter() - t
+            if i >= warmup:
+                times.append(dt)
+                per_step.append(st)
+        out = {"step_times": times, "loss": float(loss), "hostd_start_s": round(hostd_start_s, 2),
+               "hostd_cmd": " ".join(cmd)}
+        keys = ["param_fetch_wait_s", "param_slot_wait_s", "step_begin_wait_s", "push_wait_s",
+                "h2d_bytes", "d2h_bytes"]
+        out["breakdown_median"] = {k: sorted(s[k] for s in per_step)[len(per_step) // 2]
+                                   for k in keys}
+        rt = model.slidedp
+        if cuda:
+            free, total = torch.cuda.mem_get_info()
+            window = rt.backend.plane.window_slots * rt.backend.plane.slot_elems * 2
+            out["peak_gpu_reserved_GiB"] = round(
+                (torch.cuda.max_memory_reserved() + window) / 2**30, 2)
+            out["peak_gpu_allocated_GiB"] = round(
+                (torch.cuda.max_memory_allocated() + window) / 2**30, 2)
+            out["gpu_window_GiB"] = round(window / 2**30, 2)
+            out["gpu_used_GiB_at_end"] = round((total - free) / 2**30, 2)
+            out["window_slots"] = rt.backend.plane.window_slots
+        r = subprocess.run([ctl_bin, "--socket", sock, "stats", "--json"], capture_output=True,
+                           text=True, timeout=30)
+        if r.returncode == 0:
+            out["hostd_stats"] = json.loads(r.stdout)
+        return out
+    finally:
+        if opt is not None:
+            try:
+                opt.close()
+            except Exception as e:  # noqa: BLE001 - the measurement is already taken
+                print(f"close: {e}", file=sys.stderr)
+        hostd.terminate()
+        try:
+            hostd.wait(60)
+        except subprocess.TimeoutExpired:
+            hostd.kill()
