@@ -483,6 +483,10 @@ class StreamedRuntime:
         if layer.grads_seen < layer.nparams:
             return
         layer.grads_seen = 0
+        # Release before pushing: once every rank has pushed, hostd may publish the next version,
+        # and a slot still held then would fail the release's version check.
+        if layer.flat is not None:
+            self._release(layer)
         if last:
             grad = layer.acc
             if grad.dtype != _TORCH_DTYPE[self.rank.grad_dtype] and self.backend.name != "gpu":
@@ -490,8 +494,6 @@ class StreamedRuntime:
             self.backend.push(self.step, layer, grad)
             layer.acc = None
             layer.pushed = True
-        if layer.flat is not None:
-            self._release(layer)
         self.layers_done += 1
         if self.layers_done == len(self.layers):
             self.layers_done = 0
