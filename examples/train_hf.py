@@ -9,7 +9,7 @@ Two modes:
       one rank of the job (run it under torchrun for several ranks: RANK/WORLD_SIZE); the model is
       built from DIR (config; weights too unless --meta), attached to hostd, trained for N steps.
 
---model for prepare: a built-in shape (qwen3-tiny, qwen3-0.6b, qwen3-1.7b, qwen3-4b, qwen3-8b,
+--model for prepare: a built-in shape (qwen3-tiny, qwen3-tiny-tied, qwen3-small, qwen3-0.6b, qwen3-1.7b, qwen3-4b, qwen3-8b,
 qwen3-14b, llama-tiny, qwen2-tiny) or a directory / config.json of an HF model.
 --data: a text file (its UTF-8 bytes are the tokens) or a token file (.bin of uint16, .npy);
 default: random tokens from --data-seed. Step k (0-based) trains on the B rows of S tokens that
@@ -30,6 +30,7 @@ SHAPES = {
     # name: (hidden, intermediate, layers, heads, kv heads, head_dim, vocab, tied)
     "qwen3-tiny": (64, 128, 4, 4, 2, 16, 512, False),
     "qwen3-tiny-tied": (64, 128, 4, 4, 2, 16, 512, True),
+    "qwen3-small": (256, 768, 4, 4, 2, 64, 4096, False),
     "qwen3-0.6b": (1024, 3072, 28, 16, 8, 128, 151936, True),
     "qwen3-1.7b": (2048, 6144, 28, 16, 8, 128, 151936, True),
     "qwen3-4b": (2560, 9728, 36, 32, 8, 128, 151936, True),
@@ -99,8 +100,11 @@ def batch_rows(tokens, step, batch, seq):
 
 
 def cmd_prepare(a):
-    import torch
     cfg = make_config(a.model, a.seq_max)
+    if a.config_only:
+        cfg.save_pretrained(a.dir)
+        print(f"wrote {a.dir}/config.json: {cfg.model_type} (hostd initializes the weights)")
+        return
     model = build_model(cfg, a.seed)
     os.makedirs(a.dir, exist_ok=True)
     model.save_pretrained(a.dir, safe_serialization=True)
@@ -185,6 +189,7 @@ def main():
     p.add_argument("--model", default="qwen3-tiny")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--seq-max", type=int, default=4096)
+    p.add_argument("--config-only", action="store_true", help="write config.json only")
     t = sub.add_parser("train", help="train one rank through hostd")
     t.add_argument("--hostd", required=True, help="hostd's socket")
     t.add_argument("--model", required=True, help="model directory (config.json [+ weights])")
