@@ -69,6 +69,41 @@ cleanup() {
 }
 trap cleanup EXIT
 ctl() { "$CTL_BIN" --socket "$SOCK" "$@"; }
+# follow PID PATTERN: prints rank 0's log as it grows until PID exits; slidedpctl status once,
+# when a line matches PATTERN (halfway).
+follow() {
+  local shown=0 asked=0 running lines
+  while :; do
+    running=0
+    kill -0 "$1" 2>/dev/null && running=1
+    lines=$(wc -l <"$RUN/rank0.log")
+    if ((lines > shown)); then
+      sed -n "$((shown + 1)),${lines}p" "$RUN/rank0.log" | grep -v "Warning\|warnings.warn\|^ *$" || true
+      shown=$lines
+    fi
+    if ((asked == 0 && running == 1)) && grep -q "$2" "$RUN/rank0.log"; then
+      asked=1
+      echo "-- slidedpctl status while training:"
+      ctl status || true
+      echo "--"
+    fi
+    ((running)) || break
+    sleep 0.2
+  done
+}
+# finish STATUS: hostd's view after training, a clean stop, leftover segments; exits STATUS.
+finish() {
+  echo "== after training (slidedpctl layers --checksums, stats):"
+  ctl layers --checksums
+  ctl stats
+  kill -TERM "$HOSTD"
+  wait "$HOSTD"
+  PIDS=()
+  echo "== hostd log:"
+  cat "$RUN/hostd.log"
+  echo "hostd stopped cleanly; leftover segments: $(ls /dev/shm | grep -c "slidedp.$INSTANCE" || true)"
+  exit "$1"
+}
 
 LIB=$B/lib/libslidedp_rank.so
 [ -f "$LIB" ] || LIB=$B/rankclient/libslidedp_rank.so
@@ -112,25 +147,7 @@ if ((HF)); then
     --no-progress "${TRAIN_ARGS[@]}" --loss-log "$RUN/loss{rank}.jsonl" >"$RUN/rank0.log" 2>&1 &
   TRAINER_PID=$!
   PIDS+=("$TRAINER_PID")
-  shown=0
-  asked=0
-  while :; do
-    running=0
-    kill -0 "$TRAINER_PID" 2>/dev/null && running=1
-    lines=$(wc -l <"$RUN/rank0.log")
-    if ((lines > shown)); then
-      sed -n "$((shown + 1)),${lines}p" "$RUN/rank0.log" | grep -v "Warning\|warnings.warn\|^ *$" || true
-      shown=$lines
-    fi
-    if ((asked == 0 && running == 1)) && grep -q "^step $((STEPS / 2))/" "$RUN/rank0.log"; then
-      asked=1
-      echo "-- slidedpctl status while training:"
-      ctl status || true
-      echo "--"
-    fi
-    ((running)) || break
-    sleep 0.2
-  done
+  follow "$TRAINER_PID" "^step $((STEPS / 2))/"
   failed=0
   wait "$TRAINER_PID" || failed=1
   if ((failed)); then
@@ -147,16 +164,7 @@ for i, t in enumerate(sorted(l)):
     print(f"step {t:3d}  loss {sum(l[t]) / len(l[t]):7.4f}", end="\n" if i % 5 == 4 else "   ")
 print()'
   fi
-  echo "== after training (slidedpctl layers --checksums, stats):"
-  ctl layers --checksums
-  ctl stats
-  kill -TERM "$HOSTD"
-  wait "$HOSTD"
-  PIDS=()
-  echo "== hostd log:"
-  cat "$RUN/hostd.log"
-  echo "hostd stopped cleanly; leftover segments: $(ls /dev/shm | grep -c "slidedp.$INSTANCE" || true)"
-  exit "$failed"
+  finish "$failed"
 fi
 
 echo "== training: $R ranks ($( ((GPUS)) && echo "on $GPUS GPU(s)" || echo "on the CPU")), $LAYERS layers x $DIM, global batch $BATCH, $STEPS steps, lr $LR"
@@ -177,26 +185,7 @@ for rank in $(seq 0 $((R - 1))); do
 done
 
 # Rank 0's lines as they come; hostd's view (status with its layer table) once, halfway.
-shown=0
-asked=0
-while :; do
-  running=0
-  kill -0 "${TRAINERS[0]}" 2>/dev/null && running=1
-  lines=$(wc -l <"$RUN/rank0.log")
-  if ((lines > shown)); then
-    sed -n "$((shown + 1)),${lines}p" "$RUN/rank0.log"
-    shown=$lines
-  fi
-  if ((asked == 0 && running == 1)) &&
-    grep -q "^rank 0 step *$((STEPS / 2)) " "$RUN/rank0.log"; then
-    asked=1
-    echo "-- slidedpctl status while training:"
-    ctl status || true
-    echo "--"
-  fi
-  ((running)) || break
-  sleep 0.2
-done
+follow "${TRAINERS[0]}" "^rank 0 step *$((STEPS / 2)) "
 failed=0
 for rank in $(seq 0 $((R - 1))); do
   rc=0
@@ -215,13 +204,4 @@ if ((failed == 0)); then
             if (n % 5) printf "\n"}' "$RUN"/rank*.log
 fi
 
-echo "== after training (slidedpctl layers --checksums, stats):"
-ctl layers --checksums
-ctl stats
-kill -TERM "$HOSTD"
-wait "$HOSTD"
-PIDS=()
-echo "== hostd log:"
-cat "$RUN/hostd.log"
-echo "hostd stopped cleanly; leftover segments: $(ls /dev/shm | grep -c "slidedp.$INSTANCE" || true)"
-exit "$failed"
+finish "$failed"
