@@ -37,7 +37,7 @@ import torch
 import torch.utils.checkpoint
 
 from ._lib import DTYPE_BF16, DTYPE_FP32, SlideDPError
-from .rank import FOREVER_MS, GpuPlane, RankHandle, manifest_hash
+from .rank import GpuPlane, RankHandle, manifest_hash
 
 log = logging.getLogger("slidedp")
 
@@ -681,17 +681,15 @@ def attach(model, hostd="unix:///run/slidedp/hostd.sock", *, rank=None, world_si
     """Attaches an HF causal LM to hostd's job and returns (model, optimizer).
 
     hostd: its socket ("unix:///path" or a path). rank/world_size: default RANK/WORLD_SIZE
-    (torchrun) or the initialized process group, else 0/hostd's. device: default
-    cuda:LOCAL_RANK when CUDA is available, else cpu. checkpointing: "full" (recompute each decoder
-    layer in backward) or "none". accumulation_steps: micro-batches per optimizer step (gradients
+    (torchrun) or the initialized process group, else 0/hostd's. device: default cuda when CUDA
+    is available, else cpu; "cuda" without an index means cuda:(LOCAL_RANK mod GPU count).
+    checkpointing: "full" (recompute each decoder layer in backward) or "none". accumulation_steps: micro-batches per optimizer step (gradients
     accumulated in FP32 on the compute device). window_slots: GPU window size in layers (default:
     enough for the schedule). prefetch: decoder layers fetched ahead. verify_init: on a fresh job,
     check that hostd's weights equal the model's (BF16-rounded) before training them.
     cpu_window: on the CPU, compute in BF16 through a window of slots like the GPU's (tests the
     GPU schedule without a GPU).
     """
-    from . import _lib  # noqa: F401  (load errors surface here)
-
     cfg = getattr(model, "config", None)
     family = getattr(cfg, "model_type", None)
     if family not in SUPPORTED_FAMILIES:
@@ -711,13 +709,15 @@ def attach(model, hostd="unix:///run/slidedp/hostd.sock", *, rank=None, world_si
     base = _find_decoder_stack(model)
     rank, world_size = _resolve_rank(rank, world_size)
     if device is None:
-        if torch.cuda.is_available():
-            device = torch.device("cuda", _env_int("LOCAL_RANK") or 0)
-        else:
-            device = torch.device("cpu")
+        device = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
+        # torchrun: one GPU per local rank (ranks beyond the GPU count share them, as the
+        # CPU-reduction route allows); otherwise the current device.
+        local = _env_int("LOCAL_RANK")
+        index = local % torch.cuda.device_count() if local is not None else \
+            torch.cuda.current_device()
+        device = torch.device("cuda", index)
 
     cfg_json = cfg.to_json_string()
     mhash = manifest_hash(cfg_json, lib)
