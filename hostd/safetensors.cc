@@ -81,10 +81,26 @@ struct RawEntry {
   bool has_offsets = false;
 };
 
+// What both SAX handlers share: the first error wins and stops the parse.
+class SaxErrors {
+ public:
+  bool parse_error(std::size_t position, const std::string&, const nlohmann::detail::exception& e) {
+    return Fail(absl::StrCat("malformed JSON at byte ", position, ": ", Bounded(e.what())));
+  }
+  bool Fail(std::string msg) {
+    if (error_.empty()) error_ = std::move(msg);
+    return false;
+  }
+  const std::string& error() const { return error_; }
+
+ private:
+  std::string error_;
+};
+
 // SAX handler for the header schema. The schema has a fixed depth (root object -> entry object ->
 // shape/offsets array), so anything deeper is rejected at its first token and nothing is ever
 // stored beyond kSafetensorsMaxDims numbers per tensor: memory stays proportional to the header.
-class HeaderSax {
+class HeaderSax : public SaxErrors {
  public:
   bool null() { return Unexpected("null"); }
   bool boolean(bool) { return Unexpected("a boolean"); }
@@ -224,15 +240,6 @@ class HeaderSax {
     field_ = Field::kNone;
     return true;
   }
-  bool parse_error(std::size_t position, const std::string&, const nlohmann::detail::exception& e) {
-    return Fail(absl::StrCat("malformed JSON at byte ", position, ": ", Bounded(e.what())));
-  }
-
-  bool Fail(std::string msg) {
-    if (error_.empty()) error_ = std::move(msg);
-    return false;
-  }
-  const std::string& error() const { return error_; }
   std::vector<RawEntry>& entries() { return entries_; }
   std::map<std::string, std::string>& metadata() { return metadata_; }
 
@@ -284,12 +291,11 @@ class HeaderSax {
   RawEntry entry_;
   std::vector<RawEntry> entries_;
   std::map<std::string, std::string> metadata_;
-  std::string error_;
 };
 
 // SAX handler for model.safetensors.index.json: keeps "weight_map" (an object of strings) and
 // skips every other value without storing it, however deep.
-class IndexSax {
+class IndexSax : public SaxErrors {
  public:
   bool null() { return Scalar("null"); }
   bool boolean(bool) { return Scalar("a boolean"); }
@@ -318,16 +324,7 @@ class IndexSax {
     key_ = std::move(k);
     return true;
   }
-  bool parse_error(std::size_t position, const std::string&, const nlohmann::detail::exception& e) {
-    return Fail(absl::StrCat("malformed JSON at byte ", position, ": ", Bounded(e.what())));
-  }
-
-  bool Fail(std::string msg) {
-    if (error_.empty()) error_ = std::move(msg);
-    return false;
-  }
   bool saw_weight_map() const { return saw_weight_map_; }
-  const std::string& error() const { return error_; }
   std::map<std::string, std::string, std::less<>>& weight_map() { return weight_map_; }
 
  private:
@@ -388,7 +385,6 @@ class IndexSax {
   std::string key_;
   std::set<std::string> root_keys_;
   std::map<std::string, std::string, std::less<>> weight_map_;
-  std::string error_;
 };
 
 template <typename Sax>
