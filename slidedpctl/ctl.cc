@@ -1,8 +1,11 @@
 #include "slidedpctl/ctl.h"
 
+#include <unistd.h>
+
 #include <cstdint>
 #include <cstdlib>
 #include <exception>
+#include <optional>
 #include <string>
 #include <utility>
 
@@ -13,8 +16,12 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/string_view.h"
 #include "common/version.h"
+#include "hostd/config.h"
+#include "hostd/manifest.h"
 #include "slidedpctl/client.h"
+#include "slidedpctl/estimate.h"
 #include "slidedpctl/json_convert.h"
+#include "slidedpctl/machine.h"
 #include "slidedpctl/render.h"
 
 namespace slidedp::ctl {
@@ -28,7 +35,8 @@ Exit codes:
   1  internal error in slidedpctl
   2  usage error (unknown subcommand or flag, bad value)
   3  hostd unreachable (no socket, connection refused, or no answer within --timeout-ms)
-  4  hostd rejected the request (e.g. version skew at handshake, unknown job))";
+  4  hostd rejected the request (e.g. version skew at handshake, unknown job)
+  5  estimate: something does not fit this machine; doctor: a check FAILed)";
 
 struct GlobalOptions {
   std::string socket_path;
@@ -196,6 +204,65 @@ int RunConfigShow(const Context& ctx, bool toml) {
       });
 }
 
+struct EstimateOptions {
+  std::string model;
+  uint32_t gpus = 0;
+  uint64_t batch = 0;
+  uint64_t seq = 0;
+  uint32_t window_slots = 0;
+  std::string gpu_memory;
+};
+
+// No hostd involved: load the manifest, compute, compare with this machine.
+int RunEstimate(const EstimateOptions& o, bool json, std::ostream& out, std::ostream& err) {
+  EstimateInputs inputs;
+  inputs.gpus = o.gpus;
+  inputs.batch = o.batch;
+  inputs.seq = o.seq;
+  inputs.window_slots = o.window_slots;
+  inputs.chunk_bytes = hostd::DefaultRoutes().chunk_bytes();
+  if (!o.gpu_memory.empty()) {
+    std::optional<uint64_t> bytes = ParseByteSize(o.gpu_memory);
+    if (!bytes) {
+      err << "slidedpctl: --gpu-memory: '" << o.gpu_memory
+          << "' is not a size (e.g. 80GiB, 141G, 85899345920)\n";
+      return kExitUsage;
+    }
+    inputs.gpu_memory = bytes;
+    inputs.gpu_memory_source = "--gpu-memory";
+  } else if (std::optional<uint64_t> smi = QueryGpuMemory()) {
+    inputs.gpu_memory = smi;
+    inputs.gpu_memory_source = "nvidia-smi";
+  }
+  absl::StatusOr<hostd::LoadedModel> model = hostd::LoadModel(o.model);
+  if (!model.ok()) {
+    err << "slidedpctl: --model: " << model.status().message() << '\n';
+    return kExitUsage;
+  }
+  const MachineInfo machine = ProbeMachine();
+  absl::StatusOr<Estimate> estimate = ComputeEstimate(*model, inputs, machine);
+  if (!estimate.ok()) {
+    err << "slidedpctl: --model: " << estimate.status().message() << '\n';
+    return kExitUsage;
+  }
+  if (json) {
+    PrintJson(EstimateToJson(*estimate, machine), out);
+  } else {
+    PrintEstimate(*estimate, out);
+  }
+  return estimate->fits ? kExitOk : kExitNoFit;
+}
+
+int RunDoctorCmd(bool json, std::ostream& out) {
+  const std::vector<DoctorCheck> checks = RunDoctor(ProbeMachine(), geteuid() == 0);
+  if (json) {
+    PrintJson(DoctorToJson(checks), out);
+  } else {
+    PrintDoctor(checks, out);
+  }
+  return DoctorFailed(checks) ? kExitNoFit : kExitOk;
+}
+
 int Run(const std::vector<std::string>& args, std::ostream& out, std::ostream& err) {
   GlobalOptions options;
   std::string job_id;
@@ -244,6 +311,36 @@ int Run(const std::vector<std::string>& args, std::ostream& out, std::ostream& e
       config_cmd->add_subcommand("show", "every config key with its value and source");
   config_show_cmd->add_flag("--toml", toml, "print the effective config as a TOML document");
 
+  EstimateOptions est;
+  CLI::App* estimate_cmd = app.add_subcommand(
+      "estimate",
+      "memory a training run needs (hostd shared memory, pinned, per-GPU window and activations) "
+      "vs this machine; no hostd needed");
+  estimate_cmd
+      ->add_option("--model", est.model, "\"tiny\", \"tiny-tied\", a directory or a config.json")
+      ->type_name("SPEC")
+      ->required();
+  estimate_cmd->add_option("--gpus", est.gpus, "ranks (hostd world size)")
+      ->check(CLI::Range(uint32_t{1}, uint32_t{64}))
+      ->required();
+  estimate_cmd->add_option("--batch", est.batch, "sequences per rank per micro-step")
+      ->check(CLI::Range(uint64_t{1}, uint64_t{1} << 30))
+      ->required();
+  estimate_cmd->add_option("--seq", est.seq, "tokens per sequence")
+      ->check(CLI::Range(uint64_t{1}, uint64_t{1} << 30))
+      ->required();
+  estimate_cmd
+      ->add_option("--window-slots", est.window_slots,
+                   "GPU window slots (default: non-decoder layers + 6, as python_client)")
+      ->check(CLI::Range(uint32_t{1}, uint32_t{100000}));
+  estimate_cmd
+      ->add_option("--gpu-memory", est.gpu_memory,
+                   "memory of one GPU, e.g. 80GiB (default: nvidia-smi's smallest GPU, else the "
+                   "GPU figures are unchecked)")
+      ->type_name("SIZE");
+  CLI::App* doctor_cmd = app.add_subcommand(
+      "doctor", "check host settings hostd depends on (memlock, /dev/shm, THP, NUMA, GPUs)");
+
   try {
     std::vector<std::string> reversed(args.rbegin(), args.rend());  // CLI11 consumes from back
     app.parse(reversed);
@@ -272,6 +369,10 @@ int Run(const std::vector<std::string>& args, std::ostream& out, std::ostream& e
     err << "slidedpctl: " << message << "\nRun 'slidedpctl --help' for usage.\n";
     return kExitUsage;
   }
+
+  // These two never talk to hostd.
+  if (estimate_cmd->parsed()) return RunEstimate(est, options.json, out, err);
+  if (doctor_cmd->parsed()) return RunDoctorCmd(options.json, out);
 
   Endpoint endpoint;
   if (!options.tcp.empty()) {

@@ -14,6 +14,9 @@
 //      or no answer within --timeout-ms (DEADLINE_EXCEEDED)
 //   4  hostd rejected the request: any other non-OK status, including FAILED_PRECONDITION at
 //      handshake on version skew
+//   5  `estimate`: a figure does not fit this machine (a TOO LARGE line); `doctor`: a check FAILed
+// `estimate` and `doctor` never contact hostd; a model they cannot load (missing file, bad
+// config.json, unsupported model_type) is a usage error (2).
 //
 // Thread safety: RunCtl reads the environment (SLIDEDP_SOCKET) and shares no other state, so
 // concurrent calls are safe as long as nobody mutates the environment meanwhile.
@@ -30,6 +33,7 @@ inline constexpr int kExitInternal = 1;
 inline constexpr int kExitUsage = 2;
 inline constexpr int kExitUnreachable = 3;
 inline constexpr int kExitRejected = 4;
+inline constexpr int kExitNoFit = 5;
 
 inline constexpr char kDefaultSocket[] = "/run/slidedp/hostd.sock";
 inline constexpr char kSocketEnv[] = "SLIDEDP_SOCKET";
