@@ -323,7 +323,21 @@ class PythonClientTest(unittest.TestCase):
             opt.step()
             opt.step()
         self.assertIn("opt.step() after 0 complete backward passes", str(cm.exception))
-        opt.close()
+        # A dead hostd: the next step fails with UNAVAILABLE naming what it was doing, no hang.
+        hostd = self.procs[-1]
+        hostd.kill()
+        hostd.wait()
+        t0 = time.time()
+        with self.assertRaises(slidedp.SlideDPError) as cm:
+            model(input_ids=x, labels=x).loss.backward()
+        self.assertEqual(cm.exception.code, 14, str(cm.exception))
+        self.assertIn("beginning step 2", str(cm.exception))
+        self.assertLess(time.time() - t0, 30)
+        self.assertIsNone(model.slidedp.step)  # nothing half-begun on the client side
+        try:
+            opt.close()  # detaching from a dead hostd may report UNAVAILABLE; it must not hang
+        except slidedp.SlideDPError as e:
+            self.assertEqual(e.code, 14, str(e))
 
 
 def main():

@@ -47,6 +47,8 @@ def load():
     lib.slidedp_rank_layer_numel.argtypes = [ctypes.c_void_p, ctypes.c_uint32,
                                              ctypes.POINTER(ctypes.c_uint64)]
     lib.slidedp_rank_grad_dtype.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_int)]
+    lib.slidedp_rank_grad_route.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_int)]
+    lib.slidedp_rank_next_step.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_uint64)]
     lib.slidedp_rank_begin_step.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32]
     lib.slidedp_rank_fetch_params.argtypes = [
         ctypes.c_void_p, ctypes.c_uint32, ctypes.c_uint64, ctypes.c_void_p, ctypes.c_size_t,
@@ -132,6 +134,15 @@ class RankCtypesTest(unittest.TestCase):
         dtype = ctypes.c_int()
         lib.slidedp_rank_grad_dtype(h, ctypes.byref(dtype))
         self.assertEqual(dtype.value, BF16)
+        route, nxt = ctypes.c_int(), ctypes.c_uint64()
+        self.expect(OK, lib.slidedp_rank_grad_route(h, ctypes.byref(route)))
+        self.assertEqual(route.value, 1)  # CPU reduction, hostd's default
+        self.expect(OK, lib.slidedp_rank_next_step(h, ctypes.byref(nxt)))
+        self.assertEqual(nxt.value, 1)  # a fresh job
+        self.expect(INVALID_ARGUMENT, lib.slidedp_rank_grad_route(h, None), "route")
+        self.expect(INVALID_ARGUMENT, lib.slidedp_rank_next_step(h, None), "step")
+        self.expect(INVALID_ARGUMENT, lib.slidedp_rank_next_step(None, ctypes.byref(nxt)),
+                    "handle")
         numel = []
         for l in range(n.value):
             v = ctypes.c_uint64()

@@ -89,6 +89,9 @@ class _CpuBackend:
     def make_ready(self, layer):
         pass
 
+    def slot_wait_seconds(self):
+        return 0.0  # host copies are synchronous: fetch_wait covers them
+
     def release(self, layer):
         layer.flat = None
 
@@ -402,8 +405,8 @@ class StreamedRuntime:
         t0 = time.perf_counter()
         if self.t_step0 is None:
             self.t_step0 = t0
+        self.backend.begin_step(self.next_step)  # a failure leaves no step begun here
         self.step = self.next_step
-        self.backend.begin_step(self.step)
         self.begin_wait += time.perf_counter() - t0
         self.micro = 0
         self.layers_done = 0
@@ -562,7 +565,7 @@ class StreamedRuntime:
         push_wait = time.perf_counter() - t0
         now = time.perf_counter()
         dt = now - self.t_step0
-        slot_wait = self.backend.slot_wait_seconds() if self.backend.name == "gpu" else 0.0
+        slot_wait = self.backend.slot_wait_seconds()
         c = self.backend.counters()
         world = self.rank.world_size
         tokens = self.tokens * world
