@@ -264,8 +264,7 @@ TEST(GpuPlane, BadInputGetsSpecificCodesAndLeavesStateUntouched) {
   s = p.PushGrad(1, 0, nullptr, 1, stream, kTimeout);
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(s.message().find("grad"), std::string::npos) << s;
-  EXPECT_EQ(p.PushGrad(1, layers, grad, 1, stream, kTimeout).code(),
-            absl::StatusCode::kNotFound);
+  EXPECT_EQ(p.PushGrad(1, layers, grad, 1, stream, kTimeout).code(), absl::StatusCode::kNotFound);
   EXPECT_EQ(p.PushGrad(2, 0, grad, 1, stream, kTimeout).code(), absl::StatusCode::kOutOfRange);
   EXPECT_EQ(p.WaitGradConsumed(layers, stream).code(), absl::StatusCode::kNotFound);
   EXPECT_EQ(p.BeginSchedule({0, layers}, 0).code(), absl::StatusCode::kInvalidArgument);
