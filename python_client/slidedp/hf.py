@@ -320,7 +320,6 @@ class StreamedRuntime:
         self.begin_wait = 0.0
         self.nparams = sum(l.numel for l in layers.values())
         self.counters0 = backend.counters()
-        self.forward_depth = 0
 
     # ---- parameters in and out of the window ----
     def _version(self):
@@ -379,7 +378,6 @@ class StreamedRuntime:
     def _on_model_pre(self, module, args, kwargs):
         if self.closed:
             raise SlideDPError(9, "this model was detached from hostd (opt.close())")
-        self.forward_depth += 1
         if self.step is None:
             self._begin()
         ids = kwargs.get("input_ids", args[0] if args else None)
@@ -388,7 +386,6 @@ class StreamedRuntime:
             self.seq = ids.shape[-1]
 
     def _on_model_post(self, module, args, kwargs, out):
-        self.forward_depth -= 1
         if not torch.is_grad_enabled():
             for layer in self.layers.values():
                 if layer.flat is not None and not self._kept_for_backward(layer):
