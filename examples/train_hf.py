@@ -118,6 +118,9 @@ def cmd_train(a):
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
     rank = int(os.environ.get("RANK", "0"))
     world = int(os.environ.get("WORLD_SIZE", "1"))
+    if a.dist_backend and world > 1:
+        # The job's own process group (slidedp.attach uses it for resident layers).
+        torch.distributed.init_process_group(a.dist_backend)
     torch.set_num_threads(max(1, a.threads or (os.cpu_count() // world)))
     if a.batch % (world * a.accum) != 0:
         raise SystemExit(f"--batch: {a.batch} must be a multiple of WORLD_SIZE x --accum = "
@@ -135,6 +138,7 @@ def cmd_train(a):
     device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
     model, opt = slidedp.attach(model, hostd=a.hostd, device=device,
                                 checkpointing=a.checkpointing, accumulation_steps=a.accum,
+                                nondecoder=a.nondecoder,
                                 verify_init=not a.meta and not a.no_verify)
     dev = model.slidedp.backend.device if hasattr(model.slidedp.backend, "device") else "cpu"
     tokens = load_tokens(a.data, cfg.vocab_size, a.data_seed, (a.steps + 1) * a.batch * a.seq)
@@ -200,8 +204,14 @@ def main():
     t.add_argument("--seq", type=int, default=128)
     t.add_argument("--steps", type=int, default=20)
     t.add_argument("--accum", type=int, default=1, help="micro-batches per step")
-    t.add_argument("--checkpointing", default="full", choices=["full", "none"])
+    t.add_argument("--checkpointing", default="full",
+                   type=lambda v: v if v in ("full", "none") else float(v),
+                   help="full, none, or the fraction of decoder layers to recompute")
     t.add_argument("--device", default=None)
+    t.add_argument("--dist-backend", default=None, choices=["gloo", "nccl"],
+                   help="initialize a torch.distributed process group first (torchrun)")
+    t.add_argument("--nondecoder", default="auto", choices=["auto", "resident", "host"],
+                   help="where embeddings, final norm and lm_head are updated (slidedp.attach)")
     t.add_argument("--threads", type=int, default=0)
     t.add_argument("--meta", action="store_true", help="build the model on the meta device "
                    "(hostd's weights are used as they are)")

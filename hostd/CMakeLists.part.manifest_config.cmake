@@ -37,7 +37,7 @@ else()
 endif()
 
 slidedp_library(slidedp_manifest
-  SRCS ${_mc_dir}/manifest.cc
+  SRCS ${_mc_dir}/manifest.cc ${_mc_dir}/lr_schedule.cc
   DEPS slidedp_proto slidedp_common nlohmann_json::nlohmann_json slidedp_xxhash absl::status
        absl::statusor absl::strings absl::str_format)
 

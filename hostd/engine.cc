@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <filesystem>
 #include <random>
+#include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -36,11 +37,20 @@ constexpr uint32_t kGradPushingRank = 0;
 // True when every layer has reached version `step`: the step's updates are all published and
 // only the update worker's completion callbacks (OnLayerDone) are left to close the step. A rank
 // sees the step done (WaitStep) at this point, so its detach or exit must not abort the step.
-bool AllLayersAt(const TrainingState& state, uint64_t step) {
+// Layers the ranks update themselves (`client_updated`) are published only when the step
+// completes, so they are not waited for.
+bool AllLayersAt(const TrainingState& state, uint64_t step,
+                 const std::vector<bool>& client_updated) {
   for (uint32_t l = 0; l < state.num_layers(); ++l) {
+    if (l < client_updated.size() && client_updated[l]) continue;
     if (state.committed_version(l) < step) return false;
   }
   return true;
+}
+
+std::string LayerList(const std::vector<uint32_t>& layers) {
+  return layers.empty() ? std::string("[] (none)")
+                        : absl::StrCat("[", absl::StrJoin(layers, ", "), "]");
 }
 
 uint64_t MonotonicNs() {
@@ -406,6 +416,48 @@ absl::StatusOr<slidedp::v1::AttachRankResponse> Engine::AttachRank(
     return absl::AlreadyExistsError(
         absl::StrCat("rank ", r.rank(), " is already attached (pid ", e.pid, "); detach it first"));
   }
+  std::vector<uint32_t> client_layers(r.client_updated_layers().begin(),
+                                      r.client_updated_layers().end());
+  std::sort(client_layers.begin(), client_layers.end());
+  for (size_t i = 0; i < client_layers.size(); ++i) {
+    if (client_layers[i] >= state_->num_layers()) {
+      return absl::OutOfRangeError(absl::StrCat("client_updated_layers: layer ", client_layers[i],
+                                                " does not exist; expected 0..",
+                                                state_->num_layers() - 1));
+    }
+    if (i > 0 && client_layers[i] == client_layers[i - 1]) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("client_updated_layers: layer ", client_layers[i], " is listed twice"));
+    }
+  }
+  const bool any_attached =
+      std::any_of(ranks_.begin(), ranks_.end(), [](const RankEntry& x) { return x.attached; });
+  if (any_attached && client_layers != client_layers_) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("client_updated_layers: rank ", r.rank(), " sent ", LayerList(client_layers),
+                     " but the attached ranks update ", LayerList(client_layers_),
+                     " themselves; every rank of the job must send the same set"));
+  }
+  if (!any_attached && client_layers != client_layers_) {
+    if (client_layers_trained_) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "client_updated_layers: the job's ranks updated layers ", LayerList(client_layers_),
+          " themselves in earlier steps, so hostd's copy of them is stale; attach with the same "
+          "set (and the ranks' state of those layers) or start a new job"));
+    }
+    if (running_step_ != 0) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("client_updated_layers: step ", running_step_,
+                       " is running; the set can change only between steps"));
+    }
+    client_layers_ = client_layers;
+    client_updated_.assign(state_->num_layers(), false);
+    for (uint32_t l : client_layers_) client_updated_[l] = true;
+    if (!client_layers_.empty()) {
+      spdlog::info("the ranks update layers {} themselves; hostd's copy of them is not updated",
+                   LayerList(client_layers_));
+    }
+  }
   e = RankEntry{};
   e.attached = true;
   e.token = absl::StrCat(RandomHex(16), "-", ++token_counter_);
@@ -429,6 +481,7 @@ absl::StatusOr<slidedp::v1::AttachRankResponse> Engine::AttachRank(
   layout->set_grad_dtype(job_->optimizer().grad_dtype());
   layout->set_grad_route(job_->routes().grad_route());
   layout->set_grad_pushing_rank(kGradPushingRank);  // GPU reduction only; RS: every rank pushes
+  for (uint32_t l : client_layers_) layout->add_client_updated_layers(l);
   for (const auto& seg : state_->segments()) {
     if (seg.kind == shm::SegmentKind::kState) continue;  // hostd only
     auto* s = layout->add_segments();
@@ -453,6 +506,7 @@ absl::StatusOr<slidedp::v1::AttachRankResponse> Engine::AttachRank(
       tl->set_offset_elements(info.tensors[t].offset);
       tl->set_numel(info.tensors[t].numel);
       *tl->mutable_shape() = spec_layer.tensors(static_cast<int>(t)).shape();
+      tl->set_no_decay(info.tensors[t].no_decay);
     }
   }
   spdlog::info("rank {} attached (pid {}, host {}, gpu {})", r.rank(), r.pid(), r.hostname(),
@@ -475,8 +529,10 @@ absl::Status Engine::DetachRank(const slidedp::v1::DetachRankRequest& r) {
     return absl::PermissionDeniedError(
         absl::StrCat("attach_token: does not match the token issued to rank ", r.rank()));
   }
-  if (running_step_ != 0 && !AllLayersAt(*state_, running_step_)) {
+  if (running_step_ != 0 && !AllLayersAt(*state_, running_step_, client_updated_)) {
     AbortStepLocked(running_step_, absl::StrCat("rank ", r.rank(), " detached"));
+  } else if (queued_step_ != 0) {
+    DropQueuedStepLocked(absl::StrCat("rank ", r.rank(), " detached"));
   }
   e = RankEntry{};
   shm::Atomic(state_->rank_slot(r.rank()).attached).store(0, std::memory_order_release);
@@ -499,41 +555,70 @@ absl::StatusOr<slidedp::v1::BeginStepResponse> Engine::BeginStep(
   }
   RETURN_IF_ERROR(AwaitSealsLocked());
   RETURN_IF_ERROR(CheckNotTornLocked());
-  if (running_step_ != 0 && r.step() == running_step_ + 1) {
-    // The previous step's last updates are still running: wait for them (bounded), so a fast
-    // rank may call BeginStep as soon as it has pushed its last gradient.
-    // Done when the previous step is no longer the running one: another rank's BeginStep may
-    // start this step before this waiter re-checks, so running_step_ == 0 may never be seen.
-    const uint64_t previous = running_step_;
-    auto done = [this, previous]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-      return running_step_ != previous || !serving_;
-    };
-    mu_.AwaitWithTimeout(absl::Condition(&done), absl::Seconds(60));
-    RETURN_IF_ERROR(CheckServing());
-  }
+  // While step t's updates run, t + 1 is accepted at once and queued; it starts the moment t
+  // completes (OnLayerDone). The ranks' forward of t + 1 waits per layer on the version gates.
+  const bool queue = running_step_ != 0 && r.step() == running_step_ + 1;
   const uint64_t expected = running_step_ != 0 ? running_step_ : next_step_;
-  if (r.step() != expected) {
-    return absl::OutOfRangeError(absl::StrCat("step: expected ", expected,
-                                              running_step_ != 0 ? " (running)" : " (next)",
-                                              ", got ", r.step()));
+  if (r.step() != expected && !queue) {
+    return absl::OutOfRangeError(
+        running_step_ != 0
+            ? absl::StrCat("step: expected ", running_step_, " (running) or ", running_step_ + 1,
+                           " (queued behind it), got ", r.step())
+            : absl::StrCat("step: expected ", next_step_, " (next), got ", r.step()));
   }
   ranks_[r.rank()].last_step = r.step();
   shm::Atomic(state_->rank_slot(r.rank()).step).store(r.step());
-  if (running_step_ == 0) {
-    running_step_ = r.step();
-    step_state_ = "running";
-    layers_done_in_step_ = 0;
-    step_update_seconds_ = 0;
-    reducer_->Arm(r.step());
-    shm::Atomic(state_->control().step_state)
-        .store(static_cast<uint64_t>(shm::StepState::kRunning), std::memory_order_release);
-    slidedp::v1::SessionEvent ev;
-    ev.mutable_step_begun()->set_step(r.step());
-    BroadcastLocked(ev);
+  if (queue) {
+    if (queued_step_ == 0) {
+      queued_step_ = r.step();
+      spdlog::debug("step {} queued behind step {}", r.step(), running_step_);
+    }
+  } else if (running_step_ == 0) {
+    StartStepLocked(r.step());
   }
   slidedp::v1::BeginStepResponse resp;
   resp.set_step(r.step());
   return resp;
+}
+
+void Engine::StartStepLocked(uint64_t step) {
+  running_step_ = step;
+  step_state_ = "running";
+  layers_done_in_step_ = 0;
+  step_update_seconds_ = 0;
+  reducer_->Arm(step);
+  shm::Atomic(state_->control().step_state)
+      .store(static_cast<uint64_t>(shm::StepState::kRunning), std::memory_order_release);
+  slidedp::v1::SessionEvent ev;
+  ev.mutable_step_begun()->set_step(step);
+  BroadcastLocked(ev);
+}
+
+void Engine::BumpAbortEpochLocked() {
+  shm::ControlBlock& cb = state_->control();
+  shm::Atomic(cb.abort_epoch).fetch_add(1, std::memory_order_acq_rel);
+  shm::Atomic(cb.wake_seq).fetch_add(1, std::memory_order_acq_rel);
+  FutexWakeAll(&cb.wake_seq);
+  // Ranks blocked on a version gate wake up and see the new abort_epoch.
+  for (uint32_t l = 0; l < state_->num_layers(); ++l) {
+    shm::Atomic(state_->layer_control(l).wake_seq).fetch_add(1, std::memory_order_acq_rel);
+    FutexWakeAll(&state_->layer_control(l).wake_seq);
+  }
+}
+
+void Engine::DropQueuedStepLocked(absl::string_view reason) {
+  const uint64_t step = queued_step_;
+  if (step == 0) return;
+  spdlog::warn("dropping queued step {}: {}", step, std::string(reason));
+  queued_step_ = 0;
+  // The step's ranks may be anywhere in it; only the abort epoch reaches all of them. Nothing of
+  // the running step is disturbed: its pushers are done (the callers make sure of that).
+  BumpAbortEpochLocked();
+  reducer_->DiscardStep(step);
+  slidedp::v1::SessionEvent ev;
+  ev.mutable_step_aborted()->set_step(step);
+  ev.mutable_step_aborted()->set_reason(std::string(reason));
+  BroadcastLocked(ev);
 }
 
 void Engine::AbortStepLocked(uint64_t step, absl::string_view reason) {
@@ -542,16 +627,20 @@ void Engine::AbortStepLocked(uint64_t step, absl::string_view reason) {
   running_step_ = 0;
   next_step_ = step + 1;
   step_state_ = "aborted";
+  const uint64_t queued = std::exchange(queued_step_, 0);
   shm::ControlBlock& cb = state_->control();
   shm::Atomic(cb.step_state).store(static_cast<uint64_t>(shm::StepState::kAborting));
-  shm::Atomic(cb.abort_epoch).fetch_add(1, std::memory_order_acq_rel);
-  shm::Atomic(cb.wake_seq).fetch_add(1, std::memory_order_acq_rel);
-  FutexWakeAll(&cb.wake_seq);
+  BumpAbortEpochLocked();
   reducer_->Abort(step);
-  // Ranks blocked on a version gate wake up and see the new abort_epoch.
-  for (uint32_t l = 0; l < state_->num_layers(); ++l) {
-    shm::Atomic(state_->layer_control(l).wake_seq).fetch_add(1, std::memory_order_acq_rel);
-    FutexWakeAll(&state_->layer_control(l).wake_seq);
+  if (queued != 0) {
+    // The queued step goes with it (the same epoch bump tells its ranks); it is the next step.
+    spdlog::warn("queued step {} is dropped with step {}", queued, step);
+    reducer_->DiscardStep(queued);
+    slidedp::v1::SessionEvent ev;
+    ev.mutable_step_aborted()->set_step(queued);
+    ev.mutable_step_aborted()->set_reason(
+        absl::StrCat("queued behind step ", step, ", which was aborted: ", reason));
+    BroadcastLocked(ev);
   }
   seals_pending_++;
   worker_->AbortStep(step, [this, step] {
@@ -616,6 +705,18 @@ absl::Status Engine::AwaitSealsLocked() {
 absl::Status Engine::AbortStep(const slidedp::v1::AbortStepRequest& r) {
   absl::MutexLock lock(&mu_);
   RETURN_IF_ERROR(CheckJob(r.job_id()));
+  if (queued_step_ != 0 && r.step() == queued_step_) {
+    // The abort epoch is job-wide: bumped while the running step's gradients still arrive, it
+    // would fail that step's pushes too.
+    if (!AllLayersAt(*state_, running_step_, client_updated_)) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "step: ", r.step(), " is queued behind step ", running_step_,
+          ", whose gradients are still arriving; abort step ", running_step_, " (which drops ",
+          r.step(), " with it) or retry once step ", running_step_, "'s updates are published"));
+    }
+    DropQueuedStepLocked(r.reason().empty() ? "aborted by request" : r.reason());
+    return absl::OkStatus();
+  }
   if (running_step_ == 0 || r.step() != running_step_) {
     return absl::FailedPreconditionError(
         absl::StrCat("step: ", r.step(), " is not running",
@@ -631,8 +732,19 @@ void Engine::OnLayerDone(const LayerUpdateResult& r) {
   absl::MutexLock lock(&mu_);
   if (r.layer < last_grad_norm_.size()) last_grad_norm_[r.layer] = r.grad_norm;
   if (r.step != running_step_) return;
+  if (r.layer < client_updated_.size() && client_updated_[r.layer]) {
+    spdlog::warn(
+        "layer {} is updated by the ranks (client_updated_layers) but got a gradient in "
+        "step {}; not counted",
+        r.layer, r.step);
+    return;
+  }
   step_update_seconds_ += r.seconds;
-  if (++layers_done_in_step_ == state_->num_layers()) {
+  if (++layers_done_in_step_ + client_layers_.size() == state_->num_layers()) {
+    for (uint32_t l : client_layers_) {
+      if (state_->committed_version(l) < running_step_) state_->PublishLayer(l, running_step_);
+    }
+    if (!client_layers_.empty()) client_layers_trained_ = true;
     steps_completed_++;
     last_step_update_seconds_ = step_update_seconds_;
     next_step_ = running_step_ + 1;
@@ -641,6 +753,8 @@ void Engine::OnLayerDone(const LayerUpdateResult& r) {
     shm::ControlBlock& cb = state_->control();
     shm::Atomic(cb.next_step).store(next_step_, std::memory_order_release);
     shm::Atomic(cb.step_state).store(static_cast<uint64_t>(shm::StepState::kIdle));
+    // A queued step starts the moment its predecessor completes: its ranks are already in it.
+    if (queued_step_ != 0) StartStepLocked(std::exchange(queued_step_, 0));
   }
 }
 
@@ -811,6 +925,7 @@ absl::StatusOr<slidedp::v1::GetStatusResponse> Engine::GetStatus() {
   *js->mutable_optimizer() = worker_->optimizer();
   js->set_current_lr(LearningRate(worker_->optimizer(), next_step_));
   js->set_weights_source(state_->weights_source());
+  for (uint32_t l : client_layers_) js->add_client_updated_layers(l);
   for (auto& l : LayerStatuses()) *resp.add_layers() = std::move(l);
   for (auto& r : RankStatuses()) *resp.add_ranks() = std::move(r);
   for (const auto& seg : state_->segments()) {
@@ -978,8 +1093,10 @@ void Engine::SessionClosed(uint32_t rank, absl::string_view reason) {
   absl::MutexLock lock(&mu_);
   if (rank >= ranks_.size() || !ranks_[rank].attached) return;
   spdlog::warn("rank {} session closed: {}", rank, std::string(reason));
-  if (running_step_ != 0 && serving_ && !AllLayersAt(*state_, running_step_)) {
+  if (running_step_ != 0 && serving_ && !AllLayersAt(*state_, running_step_, client_updated_)) {
     AbortStepLocked(running_step_, absl::StrCat("rank ", rank, " lost: ", reason));
+  } else if (queued_step_ != 0 && serving_) {
+    DropQueuedStepLocked(absl::StrCat("rank ", rank, " lost: ", reason));
   }
   ranks_[rank] = RankEntry{};
   shm::Atomic(state_->rank_slot(rank).attached).store(0, std::memory_order_release);

@@ -11,6 +11,21 @@
 // restore from a checkpoint; GetStatus reports step_state "torn". Which path updated the layers is
 // counted in worker()->stats() (layer_updates_streamed / layer_updates_buffered).
 //
+// Overlapping steps: BeginStep(t + 1) while step t is running (its gradients or updates still
+// under way) is accepted at once: t + 1 is queued and starts (reducer armed, step_begun
+// broadcast, ControlBlock::step_state running) the moment t completes, so a rank's forward of
+// t + 1 overlaps t's updates, gated per layer by the version gates (FetchParams waits for
+// version t). BeginStep(t + 2) stays OUT_OF_RANGE. GetStatus reports the running step's state
+// ("running" while t + 1 is queued). A queued step is dropped -- it never ran, no layer moves,
+// steps_aborted does not count it, and the job's next step is t + 1 again -- when
+//   - step t is aborted (AbortStep, a protocol error, a lost rank, shutdown);
+//   - a rank is lost or detaches once t's updates are all published (before, t is aborted);
+//   - AbortStep names it, once t's updates are all published (before: FAILED_PRECONDITION,
+//     since the job-wide abort epoch would fail t's pushes too).
+// A drop bumps abort_epoch like an abort: each rank that began t + 1 gets ABORTED from its next
+// wait or push (its epoch, read before its BeginStep, changed) and must BeginStep(t + 1) again,
+// which queues it again or starts it. Chunks of the dropped step left in the rings are discarded.
+//
 // Thread safety: every public method may be called from any thread; job state is guarded by
 // mu_. Long work (AdamW, casts) runs on the update worker, never on the calling thread, except
 // in CreateJob, which initializes the state before it returns.
@@ -125,6 +140,12 @@ class Engine {
   absl::Status CheckJob(absl::string_view job_id) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
   absl::Status CheckServing() const ABSL_SHARED_LOCKS_REQUIRED(mu_);
   void AbortStepLocked(uint64_t step, absl::string_view reason) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // `step` becomes the running step: the reducer is armed, the ranks are told.
+  void StartStepLocked(uint64_t step) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Drops queued_step_ (see the overview); only once the running step's pushes are all in.
+  void DropQueuedStepLocked(absl::string_view reason) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Bumps abort_epoch and wakes every rank waiting on a futex of the control segment.
+  void BumpAbortEpochLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Waits (bounded) until the worker has sealed every aborted step.
   absl::Status AwaitSealsLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // FAILED_PRECONDITION naming the torn layers, if any.
@@ -154,9 +175,19 @@ class Engine {
   std::vector<RankEntry> ranks_ ABSL_GUARDED_BY(mu_);
   uint64_t next_step_ ABSL_GUARDED_BY(mu_) = 1;
   uint64_t running_step_ ABSL_GUARDED_BY(mu_) = 0;  // 0: none
+  uint64_t queued_step_ ABSL_GUARDED_BY(mu_) = 0;   // 0: none, else running_step_ + 1
   std::string step_state_ ABSL_GUARDED_BY(mu_) = "idle";
   uint32_t layers_done_in_step_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t steps_completed_ ABSL_GUARDED_BY(mu_) = 0;
+  // Layers the attached ranks update themselves (AttachRankRequest.client_updated_layers),
+  // ascending; `client_updated_[l]` per layer. Set by the rank that attaches when no other is
+  // attached; the others must send the same set. They never get a gradient: the step completes when
+  // the other layers are done, and they are published at the step's version then (state untouched).
+  std::vector<uint32_t> client_layers_ ABSL_GUARDED_BY(mu_);
+  std::vector<bool> client_updated_ ABSL_GUARDED_BY(mu_);
+  // True once a step completed with client_layers_ non-empty: hostd's copy of those layers is
+  // then stale, and the set can no longer change (their state lives in the ranks).
+  bool client_layers_trained_ ABSL_GUARDED_BY(mu_) = false;
   uint64_t steps_aborted_ ABSL_GUARDED_BY(mu_) = 0;
   double last_step_update_seconds_ ABSL_GUARDED_BY(mu_) = 0;
   double step_update_seconds_ ABSL_GUARDED_BY(mu_) = 0;

@@ -5,8 +5,12 @@
 
 #include <grpcpp/grpcpp.h>
 
+#include <atomic>
 #include <barrier>
+#include <cstring>
 #include <filesystem>
+#include <functional>
+#include <future>
 #include <random>
 #include <thread>
 
@@ -306,6 +310,79 @@ TEST_F(EngineTest, StepThroughTheWorkerCompletesAndUpdatesStats) {
   EXPECT_EQ(timeout.code(), absl::StatusCode::kDeadlineExceeded);
 }
 
+// Layers the ranks update themselves: every attached rank must send the same set; the step
+// completes without their gradients, they are published at the step's version with hostd's state
+// of them untouched, and once a step has run so the set can no longer change.
+TEST_F(EngineTest, ClientUpdatedLayersCompleteStepsWithoutTheirGradients) {
+  config_.world_size = 2;
+  Start();
+  TrainingState* s = engine_->state();
+  const uint32_t n = s->num_layers();
+  const uint32_t last = n - 1;
+  auto attach = [&](uint32_t rank, std::vector<uint32_t> layers, v1::AttachRankResponse* resp) {
+    grpc::ClientContext ctx;
+    v1::AttachRankRequest req;
+    req.set_rank(rank);
+    req.set_manifest_hash(Hash());
+    for (uint32_t l : layers) req.add_client_updated_layers(l);
+    return stub_->AttachRank(&ctx, req, resp);
+  };
+  v1::AttachRankResponse r0, r1, bad;
+  EXPECT_EQ(attach(0, {n}, &bad).error_code(), grpc::StatusCode::OUT_OF_RANGE);
+  EXPECT_EQ(attach(0, {0, 0}, &bad).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  ASSERT_TRUE(attach(0, {last, 0}, &r0).ok());
+  ASSERT_EQ(r0.layout().client_updated_layers_size(), 2);
+  EXPECT_EQ(r0.layout().client_updated_layers(0), 0u);
+  EXPECT_EQ(r0.layout().client_updated_layers(1), last);
+  grpc::Status mismatch = attach(1, {0}, &bad);
+  EXPECT_EQ(mismatch.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+  EXPECT_NE(mismatch.error_message().find("client_updated_layers: rank 1 sent [0]"),
+            std::string::npos)
+      << mismatch.error_message();
+  ASSERT_TRUE(attach(1, {0, last}, &r1).ok());
+
+  std::vector<uint64_t> untouched;
+  for (uint32_t l : {0u, last}) untouched.push_back(s->LayerChecksum(l));
+  std::vector<std::vector<uint16_t>> grads;
+  for (const LayerInfo& l : s->layers()) grads.emplace_back(l.numel, kernels::RoundToBf16(1e-2f));
+  for (uint32_t l = last; l-- > 1;) {
+    ASSERT_TRUE(
+        engine_->SubmitGradient(l, 1, {grads[l].data(), kernels::GradType::kBf16, grads[l].size()})
+            .ok());
+  }
+  v1::GetStatsResponse stats;
+  for (int i = 0; i < 500; ++i) {
+    grpc::ClientContext ctx;
+    ASSERT_TRUE(stub_->GetStats(&ctx, v1::GetStatsRequest(), &stats).ok());
+    if (stats.steps_completed() == 1) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  EXPECT_EQ(stats.steps_completed(), 1u);
+  EXPECT_EQ(stats.layer_updates(), n - 2);
+  for (uint32_t l = 0; l < n; ++l) EXPECT_EQ(s->committed_version(l), 1u) << "layer " << l;
+  EXPECT_EQ(s->LayerChecksum(0), untouched[0]);
+  EXPECT_EQ(s->LayerChecksum(last), untouched[1]);
+  {
+    grpc::ClientContext ctx;
+    v1::GetStatusResponse st;
+    ASSERT_TRUE(stub_->GetStatus(&ctx, v1::GetStatusRequest(), &st).ok());
+    ASSERT_EQ(st.job().client_updated_layers_size(), 2);
+  }
+  // Both ranks leave; a rank coming back with another set is refused (hostd's copy is stale).
+  for (auto* r : {&r0, &r1}) {
+    grpc::ClientContext ctx;
+    v1::DetachRankRequest d;
+    d.set_rank(r == &r0 ? 0 : 1);
+    d.set_attach_token(r->attach_token());
+    v1::DetachRankResponse dr;
+    ASSERT_TRUE(stub_->DetachRank(&ctx, d, &dr).ok());
+  }
+  grpc::Status stale = attach(0, {}, &bad);
+  EXPECT_EQ(stale.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+  EXPECT_NE(stale.error_message().find("stale"), std::string::npos) << stale.error_message();
+  EXPECT_TRUE(attach(0, {0, last}, &r0).ok());
+}
+
 TEST_F(EngineTest, SessionEndAbortsRunningStepAndSealsVersions) {
   Start();
   v1::AttachRankResponse a = Attach(0);
@@ -499,6 +576,306 @@ TEST_F(RouteTest, GpuReductionHostSideEqualsCpuReductionOfTheSameSum) {
   Stop(gpu);
   Stop(cpu);
 }
+
+}  // namespace
+}  // namespace slidedp::hostd
+
+namespace slidedp::hostd {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+constexpr auto kWait = std::chrono::seconds(10);
+
+bool WaitUntil(const std::function<bool()>& pred) {
+  const auto deadline = Clock::now() + kWait;
+  while (!pred()) {
+    if (Clock::now() > deadline) return false;
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  return true;
+}
+
+// Holds the update worker: passed as the completion callback of an in-process update, it blocks
+// the worker thread (so every later update waits) until released, at the latest on destruction.
+class WorkerGate {
+ public:
+  WorkerGate() : future_(promise_.get_future().share()) {}
+  ~WorkerGate() { Release(); }
+  UpdateWorker::DoneFn Hold() {
+    return [f = future_](const LayerUpdateResult&) { f.wait(); };
+  }
+  void Release() {
+    if (!released_.exchange(true)) promise_.set_value();
+  }
+
+ private:
+  std::promise<void> promise_;
+  std::shared_future<void> future_;
+  std::atomic<bool> released_{false};
+};
+
+// Overlapping steps through the engine and a real rank (RankClient over the gRPC service, world
+// size 1, on each gradient route): BeginStep(t + 1) while step t's updates are pending returns at
+// once and queues t + 1, which starts when t completes; chunks of t + 1 pushed early wait in the
+// ring and count then. An abort of t drops the queued t + 1, whose rank begins it again.
+class OverlapTest : public ::testing::TestWithParam<v1::GradRoute> {
+ protected:
+  struct Run {
+    std::filesystem::path dir;
+    std::unique_ptr<Engine> engine;
+    std::unique_ptr<ControlServer> server;
+    std::unique_ptr<rankclient::RankClient> client;
+    ~Run() {
+      if (client) client->Detach().IgnoreError();
+      client.reset();
+      server.reset();
+      if (engine) engine->Shutdown(/*remove_state=*/true);
+      engine.reset();
+      std::filesystem::remove_all(dir);
+    }
+    v1::JobStatus Job() {
+      auto st = engine->GetStatus();
+      EXPECT_TRUE(st.ok()) << st.status();
+      return st.ok() ? st->job() : v1::JobStatus();
+    }
+    uint64_t StepsAborted() {
+      auto st = engine->GetStats(v1::GetStatsRequest());
+      return st.ok() ? st->steps_aborted() : ~0ull;
+    }
+    // Full ring slots of rank 0 holding a chunk of `step`.
+    int ChunksInRing(uint64_t step) {
+      TrainingState* s = engine->state();
+      int n = 0;
+      for (uint32_t i = 0; i < s->grad_ring_slots(); ++i) {
+        const shm::ChunkSlot& cs = s->chunk_slot(0, i);
+        if (shm::Atomic(cs.state).load() == shm::kSlotFull && cs.step == step) n++;
+      }
+      return n;
+    }
+  };
+
+  std::unique_ptr<Run> Start() {
+    auto run = std::make_unique<Run>();
+    run->dir = std::filesystem::temp_directory_path() / testing::UniqueInstance("ovl");
+    std::filesystem::create_directories(run->dir);
+    HostdConfig c;
+    c.instance = testing::UniqueInstance("ovl");
+    c.socket = (run->dir / "hostd.sock").string();
+    c.model = "none";
+    c.update_threads = 1;
+    c.mlock = "best_effort";
+    auto e = Engine::Create(c);
+    EXPECT_TRUE(e.ok()) << e.status();
+    if (!e.ok()) return nullptr;
+    run->engine = std::move(*e);
+    auto srv = ControlServer::Start(run->engine.get(), {c.socket, "", 0600});
+    EXPECT_TRUE(srv.ok()) << srv.status();
+    if (!srv.ok()) return nullptr;
+    run->server = std::move(*srv);
+    v1::JobSpec spec;
+    *spec.mutable_manifest() = testing::SmallModel().manifest;
+    spec.set_world_size(1);
+    spec.set_seed(5);
+    spec.mutable_optimizer()->set_lr(1e-3);
+    spec.mutable_optimizer()->set_grad_dtype(v1::DTYPE_FP32);
+    spec.mutable_routes()->set_grad_route(GetParam());
+    spec.mutable_routes()->set_chunk_bytes(4096);  // 1024 elements: layer 1 is 15 chunks
+    auto created = rankclient::RankClient::CreateJob(c.socket, spec, kWait);
+    EXPECT_TRUE(created.ok()) << created.status();
+    rankclient::RankClient::Options o;
+    o.socket = c.socket;
+    o.manifest_hash = ManifestHashHex(ManifestHash(testing::SmallModel().manifest));
+    auto client = rankclient::RankClient::Attach(o);
+    EXPECT_TRUE(client.ok()) << client.status();
+    if (!client.ok()) return nullptr;
+    run->client = std::move(*client);
+    return run;
+  }
+
+  static std::vector<float> Grad(uint32_t layer, uint64_t step, uint64_t numel, float scale = 1) {
+    std::mt19937 rng(static_cast<uint32_t>(100 * step + layer));
+    std::normal_distribution<float> d(0.0f, 1e-2f * scale);
+    std::vector<float> g(numel);
+    for (float& x : g) x = d(rng);
+    return g;
+  }
+  static absl::Status Push(rankclient::RankClient& c, uint64_t step, uint32_t layer,
+                           const std::vector<float>& g) {
+    return c.PushGrad(step, layer, g.data(), 1, g.size() * 4, kWait);
+  }
+  static absl::Status Submit(Engine& e, uint32_t layer, uint64_t step, const std::vector<float>& g,
+                             UpdateWorker::DoneFn done = nullptr) {
+    return e.SubmitGradient(layer, step, {g.data(), kernels::GradType::kFp32, g.size()},
+                            std::move(done));
+  }
+  static absl::Status Begin(Engine& e, uint64_t step) {
+    v1::BeginStepRequest b;
+    b.set_step(step);
+    return e.BeginStep(b).status();
+  }
+};
+
+TEST_P(OverlapTest, NextStepBeginsAtOnceAndRunsWhenThePreviousCompletes) {
+  auto run = Start();
+  ASSERT_NE(run, nullptr);
+  rankclient::RankClient& c = *run->client;
+  Engine& e = *run->engine;
+  TrainingState* st = e.state();
+  const std::vector<float> g01 = Grad(0, 1, c.layer_numel(0)), g11 = Grad(1, 1, c.layer_numel(1));
+  const std::vector<float> g02 = Grad(0, 2, c.layer_numel(0)), g12 = Grad(1, 2, c.layer_numel(1));
+
+  // The same two steps strictly in sequence: the reference.
+  uint64_t reference = 0;
+  {
+    auto ref = Start();
+    ASSERT_NE(ref, nullptr);
+    rankclient::RankClient& rc = *ref->client;
+    ASSERT_TRUE(rc.BeginStep(1, kWait).ok());
+    ASSERT_TRUE(Submit(*ref->engine, 0, 1, g01).ok());
+    ASSERT_TRUE(Push(rc, 1, 1, g11).ok());
+    ASSERT_TRUE(rc.WaitStep(1, kWait).ok());
+    ASSERT_TRUE(rc.BeginStep(2, kWait).ok());
+    ASSERT_TRUE(Push(rc, 2, 1, g12).ok());
+    ASSERT_TRUE(Push(rc, 2, 0, g02).ok());
+    ASSERT_TRUE(rc.WaitStep(2, kWait).ok());
+    reference = ref->engine->state()->Checksum();
+  }
+
+  WorkerGate gate;
+  ASSERT_TRUE(c.BeginStep(1, kWait).ok());
+  // Layer 0 of step 1 goes in through the in-process path; its completion callback holds the
+  // update worker, so step 1's last update (layer 1) stays pending.
+  ASSERT_TRUE(Submit(e, 0, 1, g01, gate.Hold()).ok());
+  ASSERT_TRUE(e.WaitLayerVersion(0, 1, kWait).ok());
+  // Layer 1's push begins in step 1 and is sent after BeginStep(2), as the GPU plane's copier
+  // goes on with step 1 while the forward of step 2 runs.
+  ASSERT_TRUE(c.BeginLayerPush(1, 1).ok());
+  const rankclient::RankClient::PushTicket ticket1 = c.push_ticket();
+
+  auto begun = std::async(std::launch::async, [&] { return c.BeginStep(2, kWait); });
+  ASSERT_EQ(begun.wait_for(std::chrono::seconds(5)), std::future_status::ready)
+      << "BeginStep(2) waited for step 1's updates";
+  ASSERT_TRUE(begun.get().ok());
+  EXPECT_EQ(c.current_step(), 2u);
+  EXPECT_EQ(run->Job().step_state(), "running");
+  EXPECT_EQ(run->Job().step(), 0u);  // no step completed yet
+  // Two steps ahead is refused, naming both acceptable steps.
+  absl::Status ahead = Begin(e, 3);
+  EXPECT_EQ(ahead.code(), absl::StatusCode::kOutOfRange) << ahead;
+  EXPECT_NE(ahead.message().find("expected 1 (running) or 2 (queued"), std::string::npos) << ahead;
+
+  // Step 1's layer 1 under its ticket: its chunks carry step 1 although the rank is in step 2.
+  const shm::ShardRange range = c.PushRange(1);
+  const uint64_t chunk = c.chunk_bytes() / 4;
+  for (uint64_t off = range.begin; off < range.begin + range.numel; off += chunk) {
+    const uint64_t n = std::min(chunk, range.begin + range.numel - off);
+    auto ref = c.AcquireChunkSlot(ticket1, Clock::now() + kWait);
+    ASSERT_TRUE(ref.ok()) << ref.status();
+    std::memcpy(ref->data, g11.data() + off, n * 4);
+    ASSERT_TRUE(c.PublishChunk(*ref, 1, off, n, 1, nullptr).ok());
+  }
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  EXPECT_EQ(st->committed_version(1), 0u);  // the worker is held: step 1 is not done
+
+  // Step 2's layer 1 goes into the ring early; hostd leaves it there (the pusher blocks once the
+  // ring is full) until step 1 completes.
+  auto early = std::async(std::launch::async, [&] { return Push(c, 2, 1, g12); });
+  ASSERT_TRUE(WaitUntil([&] { return run->ChunksInRing(2) == 4; }));
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  EXPECT_EQ(early.wait_for(std::chrono::milliseconds(0)), std::future_status::timeout);
+  EXPECT_EQ(run->ChunksInRing(2), 4);
+  EXPECT_EQ(run->StepsAborted(), 0u);
+  EXPECT_EQ(run->Job().step_state(), "running");
+
+  gate.Release();  // step 1 completes, step 2 starts and takes the chunks waiting for it
+  ASSERT_EQ(early.wait_for(kWait), std::future_status::ready);
+  ASSERT_TRUE(early.get().ok());
+  ASSERT_TRUE(Push(c, 2, 0, g02).ok());
+  ASSERT_TRUE(c.WaitStep(2, kWait).ok());
+  EXPECT_EQ(st->committed_version(0), 2u);
+  EXPECT_EQ(st->committed_version(1), 2u);
+  EXPECT_EQ(st->Checksum(), reference);
+  ASSERT_TRUE(WaitUntil([&] { return run->Job().step() == 2; }));
+  EXPECT_EQ(run->Job().step_state(), "idle");
+  EXPECT_EQ(run->StepsAborted(), 0u);
+}
+
+TEST_P(OverlapTest, AbortWithAQueuedStepDropsItAndItsRankBeginsItAgain) {
+  auto run = Start();
+  ASSERT_NE(run, nullptr);
+  rankclient::RankClient& c = *run->client;
+  Engine& e = *run->engine;
+  TrainingState* st = e.state();
+  const std::vector<float> g01 = Grad(0, 1, c.layer_numel(0)), g11 = Grad(1, 1, c.layer_numel(1));
+  const std::vector<float> g02 = Grad(0, 2, c.layer_numel(0)), g12 = Grad(1, 2, c.layer_numel(1));
+  // What the dropped attempt of step 2 pushes: it must never count.
+  const std::vector<float> bad12 = Grad(1, 2, c.layer_numel(1), 50);
+
+  // Reference: step 1 aborted after layer 0's update (layer 1 untouched), then step 2.
+  uint64_t reference = 0;
+  {
+    auto ref = Start();
+    ASSERT_NE(ref, nullptr);
+    rankclient::RankClient& rc = *ref->client;
+    ASSERT_TRUE(rc.BeginStep(1, kWait).ok());
+    ASSERT_TRUE(Submit(*ref->engine, 0, 1, g01).ok());
+    ASSERT_TRUE(ref->engine->WaitLayerVersion(0, 1, kWait).ok());
+    v1::AbortStepRequest ab;
+    ab.set_step(1);
+    ASSERT_TRUE(ref->engine->AbortStep(ab).ok());
+    ASSERT_TRUE(rc.BeginStep(2, kWait).ok());
+    ASSERT_TRUE(Push(rc, 2, 1, g12).ok());
+    ASSERT_TRUE(Push(rc, 2, 0, g02).ok());
+    ASSERT_TRUE(rc.WaitStep(2, kWait).ok());
+    reference = ref->engine->state()->Checksum();
+  }
+
+  WorkerGate gate;
+  ASSERT_TRUE(c.BeginStep(1, kWait).ok());
+  ASSERT_TRUE(Submit(e, 0, 1, g01, gate.Hold()).ok());
+  ASSERT_TRUE(e.WaitLayerVersion(0, 1, kWait).ok());
+  ASSERT_TRUE(Push(c, 1, 1, g11).ok());  // queued behind the held worker
+  ASSERT_TRUE(c.BeginStep(2, kWait).ok());
+  auto early = std::async(std::launch::async, [&] { return Push(c, 2, 1, bad12); });
+  ASSERT_TRUE(WaitUntil([&] { return run->ChunksInRing(2) == 4; }));
+
+  // The queued step cannot be aborted alone while step 1's gradients are still arriving.
+  v1::AbortStepRequest ab2;
+  ab2.set_step(2);
+  const absl::Status refused = e.AbortStep(ab2);
+  EXPECT_EQ(refused.code(), absl::StatusCode::kFailedPrecondition) << refused;
+  EXPECT_NE(refused.message().find("queued behind step 1"), std::string::npos) << refused;
+
+  const uint64_t epoch = shm::Atomic(st->control().abort_epoch).load();
+  v1::AbortStepRequest ab;
+  ab.set_step(1);
+  ab.set_reason("test: abort with step 2 queued");
+  ASSERT_TRUE(e.AbortStep(ab).ok());
+  EXPECT_EQ(shm::Atomic(st->control().abort_epoch).load(), epoch + 1);
+  // The rank, in the dropped step 2, gets ABORTED from its next push.
+  ASSERT_EQ(early.wait_for(kWait), std::future_status::ready);
+  EXPECT_EQ(early.get().code(), absl::StatusCode::kAborted);
+  EXPECT_EQ(Push(c, 2, 0, g02).code(), absl::StatusCode::kAborted);
+  EXPECT_EQ(run->ChunksInRing(2), 0);  // the dropped attempt's chunks are gone
+  EXPECT_EQ(run->Job().step_state(), "aborted");
+  EXPECT_EQ(run->StepsAborted(), 1u);  // step 1; the dropped step 2 never ran
+
+  gate.Release();  // the aborted step's seal runs behind the held update
+  EXPECT_EQ(Begin(e, 3).code(), absl::StatusCode::kOutOfRange);  // 2 is the next step
+  ASSERT_TRUE(c.BeginStep(2, kWait).ok());
+  EXPECT_EQ(run->Job().step_state(), "running");
+  ASSERT_TRUE(Push(c, 2, 1, g12).ok());
+  ASSERT_TRUE(Push(c, 2, 0, g02).ok());
+  ASSERT_TRUE(c.WaitStep(2, kWait).ok());
+  EXPECT_EQ(st->Checksum(), reference);
+  EXPECT_EQ(run->StepsAborted(), 1u);
+}
+
+INSTANTIATE_TEST_SUITE_P(Routes, OverlapTest,
+                         ::testing::Values(v1::GRAD_ROUTE_CPU_REDUCTION,
+                                           v1::GRAD_ROUTE_GPU_REDUCTION,
+                                           v1::GRAD_ROUTE_REDUCE_SCATTER),
+                         [](const auto& info) { return v1::GradRoute_Name(info.param); });
 
 }  // namespace
 }  // namespace slidedp::hostd

@@ -49,6 +49,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
+#include "hostd/lr_schedule.h"
 #include "hostd/state.h"
 #include "kernels/cpu/adamw.h"
 #include "slidedp/v1/control.pb.h"
@@ -58,13 +59,6 @@ class ThreadPool;
 }
 
 namespace slidedp::hostd {
-
-// LR for the 1-based update `step`, following Hugging Face's schedulers (s = step - 1):
-//   warm-up (s < warmup_steps): lr * s / warmup_steps
-//   constant: lr; linear: lr * max(0, (total - s) / (total - warmup));
-//   cosine: lr * 0.5 * (1 + cos(pi * (s - warmup) / (total - warmup)))
-// with the decay part floored at min_lr_ratio: f' = min_lr_ratio + (1 - min_lr_ratio) * f.
-double LearningRate(const slidedp::v1::OptimizerConfig& cfg, uint64_t step);
 
 // Fills unspecified optimizer fields with defaults and checks ranges; INVALID_ARGUMENT naming
 // the field and the expected range.

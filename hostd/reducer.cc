@@ -110,6 +110,7 @@ void GradientReducer::ResetLayerLocked() {
 void GradientReducer::Arm(uint64_t step) {
   {
     absl::MutexLock lock(&mu_);
+    if (armed_step_ == 0 || step != armed_step_ + 1) ClearAllSlotsLocked();
     armed_step_ = step;
     next_seq_ = 0;
     cursors_.assign(options_.pushing_ranks.size(), Cursor{});
@@ -140,6 +141,22 @@ void GradientReducer::Abort(uint64_t step) {
   armed_step_ = 0;
   ResetLayerLocked();
   ClearAllSlotsLocked();
+}
+
+void GradientReducer::DiscardStep(uint64_t step) {
+  {
+    absl::MutexLock lock(&mu_);
+    for (uint32_t r = 0; r < state_->world_size(); ++r) {
+      for (uint32_t s = 0; s < state_->grad_ring_slots(); ++s) {
+        shm::ChunkSlot& cs = state_->chunk_slot(r, s);
+        if (shm::Atomic(cs.state).load(std::memory_order_acquire) == shm::kSlotFull &&
+            cs.step == step) {
+          EmptySlotLocked(r, s);
+        }
+      }
+    }
+  }
+  Ring();
 }
 
 void GradientReducer::FailLocked(const std::string& reason) {
@@ -214,6 +231,8 @@ bool GradientReducer::TrySumLocked() {
       EmptySlotLocked(r, slot);
       return true;
     }
+    // The next step, pushed early by a rank that is done with this one: it waits for Arm.
+    if (cs.step == armed_step_ + 1) return false;
   }
   // 2. Validate the headers against the protocol and each other.
   const shm::ChunkSlot& h0 = state_->chunk_slot(options_.pushing_ranks[0], slot);
@@ -310,6 +329,8 @@ shm::ChunkSlot* GradientReducer::PeekLocked(size_t i, bool* progress) {
     *progress = true;
     return nullptr;
   }
+  // The next step, pushed early by a rank that is done with this one: it waits for Arm.
+  if (cs.step == armed_step_ + 1) return nullptr;
   return &cs;
 }
 

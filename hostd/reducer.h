@@ -33,6 +33,11 @@
 // needs no buffer; its ranks are held back by their ring slots, which stay full until the worker
 // has updated them.
 //
+// Overlap of steps: while step t is armed, a rank that has pushed all of t may already push step
+// t + 1 (the engine accepts BeginStep(t + 1) while t's updates run). Such a chunk can only show
+// up where t has nothing more of that rank, so it is left in its slot, neither consumed nor an
+// error, until Arm(t + 1). Chunks of earlier steps are discarded (left over from an abort).
+//
 // A header that breaks the protocol (wrong step or sequence, unknown layer, out-of-order or
 // duplicate chunk, wrong dtype, a chunk outside the rank's shard, oversize chunk, ranks
 // disagreeing, stats that are not a finite sum of squares) calls `on_error` with a message naming
@@ -108,11 +113,19 @@ class GradientReducer {
 
   void Start();
   void Stop();
-  // `step` is running: chunk 0 of every pushing rank's ring belongs to it.
+  // `step` is running: chunk 0 of every pushing rank's ring belongs to it. When `step` follows
+  // the armed step directly (armed + 1, the armed one not aborted) the chunks of `step` that
+  // ranks already pushed stay in the rings and are consumed now (the engine starts a queued step
+  // the moment its predecessor completes). Otherwise every full slot not lent to the worker is
+  // emptied first: a rank pushes a step only after BeginStep, which arms it, so whatever is in a
+  // ring then is left over -- possibly of a dropped attempt of this very step number.
   void Arm(uint64_t step);
   // Drops the partial layers of `step`, empties every ring slot not lent to the worker and wakes
   // the ranks (lent slots are emptied when the worker returns them).
   void Abort(uint64_t step);
+  // Empties every full slot (not lent) holding a chunk of `step`, a step that was begun but will
+  // not run (the engine's queued step, dropped); the armed step is untouched.
+  void DiscardStep(uint64_t step);
 
   Stats stats() const;
 

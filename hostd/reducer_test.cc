@@ -481,6 +481,118 @@ TEST_P(ShardRouteTest, PerLayerClipStreamedEqualsBuffered) {
   EXPECT_NE(wrong->state->LayerChecksum(1), wrong->reference->LayerChecksum(1));
 }
 
+// Overlapping steps: every pushing rank pushes all of step 1 and then, before Arm(2), the first
+// chunks of step 2 (layers in push order) until its ring is full, as a rank whose forward of step
+// 2 ran ahead. Those chunks wait in the rings -- no error, not discarded; the slot hostd reads next
+// holds one of them -- while step 1 is reduced and applied; after Arm(2) they are consumed with
+// the rest, and the state equals the per-layer reference. Returns false if a step did not
+// complete.
+bool RunOverlapped(Rig& rig) {
+  const uint32_t layers = rig.state->num_layers();
+  const uint32_t slots = rig.state->grad_ring_slots();
+  std::vector<std::vector<float>> g1, g2;
+  for (uint32_t l = 0; l < layers; ++l) {
+    g1.push_back(Gradient(1, l, rig.numel(l)));
+    g2.push_back(Gradient(2, l, rig.numel(l)));
+  }
+  // early[i][l]: chunks of layer l that pushing rank i sends before Arm(2).
+  const uint64_t ce = rig.ranks[0].chunk_elems();
+  std::vector<std::vector<uint64_t>> early(rig.parts, std::vector<uint64_t>(layers, 0));
+  uint64_t early_chunks = 0;
+  for (uint32_t i = 0; i < rig.parts; ++i) {
+    uint64_t left = slots;
+    for (uint32_t l : kOrder) {
+      const uint64_t chunks = (rig.Shard(l, i).numel + ce - 1) / ce;
+      early[i][l] = std::min(chunks, left);
+      left -= early[i][l];
+      early_chunks += early[i][l];
+    }
+  }
+  rig.reducer->Arm(1);
+  std::vector<std::thread> threads;
+  for (uint32_t i = 0; i < rig.parts; ++i) {
+    threads.emplace_back([&, i] {
+      FakeRank& rank = rig.ranks[i];
+      rank.BeginStep();
+      for (uint32_t l : kOrder) {
+        const shm::ShardRange sh = rig.Shard(l, i);
+        if (sh.numel == 0) continue;
+        EXPECT_TRUE(rank.PushRange(1, l, sh.begin, sh.begin + sh.numel, g1[l].data(), {}).ok());
+      }
+      rank.BeginStep();
+      for (uint32_t l : kOrder) {
+        const shm::ShardRange sh = rig.Shard(l, i);
+        if (early[i][l] == 0) continue;
+        EXPECT_TRUE(rank.PushRange(2, l, sh.begin, sh.begin + sh.numel, g2[l].data(), {},
+                                   static_cast<int>(early[i][l]))
+                        .ok());
+      }
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  auto step_done = [&](uint64_t step) {
+    return WaitUntil([&] {
+      for (uint32_t l = 0; l < layers; ++l) {
+        if (rig.state->committed_version(l) < step) return false;
+      }
+      return rig.layers_done.load() == static_cast<int>(step * layers);
+    });
+  };
+  if (!step_done(1)) return false;
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));  // time to misread them
+  EXPECT_TRUE(rig.Errors().empty());
+  uint64_t waiting = 0;
+  for (uint32_t r = 0; r < rig.options.world; ++r) {
+    for (uint32_t s = 0; s < slots; ++s) {
+      const shm::ChunkSlot& cs = rig.state->chunk_slot(r, s);
+      if (shm::Atomic(cs.state).load() == shm::kSlotFull) {
+        EXPECT_EQ(cs.step, 2u) << "rank " << r << " slot " << s;
+        waiting++;
+      }
+    }
+  }
+  EXPECT_EQ(waiting, early_chunks);
+  EXPECT_EQ(rig.state->committed_version(2), 1u);
+  for (uint32_t l : kOrder) {
+    rig.reference_worker->UpdateLayerNow(l, 1,
+                                         {g1[l].data(), kernels::GradType::kFp32, g1[l].size()});
+  }
+
+  rig.reducer->Arm(2);
+  threads.clear();
+  for (uint32_t i = 0; i < rig.parts; ++i) {
+    threads.emplace_back([&, i] {
+      FakeRank& rank = rig.ranks[i];
+      for (uint32_t l : kOrder) {
+        const shm::ShardRange sh = rig.Shard(l, i);
+        const uint64_t from = sh.begin + early[i][l] * ce;
+        if (from >= sh.begin + sh.numel) continue;
+        FirstChunk rest;
+        rest.stats = early[i][l] == 0;  // the stats went with the layer's first chunk
+        EXPECT_TRUE(rank.PushRange(2, l, from, sh.begin + sh.numel, g2[l].data(), rest).ok());
+      }
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  if (!step_done(2)) return false;
+  for (uint32_t l : kOrder) {
+    rig.reference_worker->UpdateLayerNow(l, 2,
+                                         {g2[l].data(), kernels::GradType::kFp32, g2[l].size()});
+  }
+  EXPECT_TRUE(rig.Errors().empty());
+  EXPECT_EQ(rig.reducer->stats().chunks_reduced, 2 * ChunksOf(rig));
+  return true;
+}
+
+TEST_P(ShardRouteTest, NextStepChunksWaitForArm) {
+  for (Granularity g : {Granularity::kAuto, Granularity::kLayer}) {
+    SCOPED_TRACE(g == Granularity::kAuto ? "streamed" : "buffered");
+    Rig rig(Opts(g));
+    ASSERT_TRUE(RunOverlapped(rig));
+    rig.ExpectMatchesReference();
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(
     Ranks, ShardRouteTest,
     ::testing::Combine(::testing::Values(1u, 2u, 3u),
@@ -505,6 +617,20 @@ TEST(GpuRouteTest, StreamedAndBufferedEqualPerLayerUpdate) {
     const uint64_t layers = 2u * rig.state->num_layers();
     EXPECT_EQ(st.layers_streamed, g == Granularity::kAuto ? layers : 0u);
     EXPECT_EQ(st.layers_buffered, g == Granularity::kAuto ? 0u : layers);
+  }
+}
+
+// The same overlap on the GPU-reduction route (one pushing rank of two).
+TEST(GpuRouteTest, NextStepChunksWaitForArm) {
+  for (Granularity g : {Granularity::kAuto, Granularity::kLayer}) {
+    SCOPED_TRACE(g == Granularity::kAuto ? "streamed" : "buffered");
+    Rig::Options o;
+    o.world = 2;
+    o.gpu_route = true;
+    o.granularity = g;
+    Rig rig(o);
+    ASSERT_TRUE(RunOverlapped(rig));
+    rig.ExpectMatchesReference();
   }
 }
 
@@ -557,11 +683,12 @@ TEST(ShardRouteErrorTest, HeaderViolationsAbortNamingTheRank) {
          return r.PushChunk(1, 1, b, 1025, g + b, shm::kChunkFlagStats, 1.0);
        },
        {"rank 1", "numel: got 1025, expected 1024", "at most 1024"}},
+      // (Step 2, the next one, would wait in the ring for Arm(2): see NextStepChunksWaitForArm.)
       {"wrong step",
        [](FakeRank& r, const float* g, uint64_t b) {
-         return r.PushChunk(2, 1, b, 1024, g + b, shm::kChunkFlagStats, 1.0);
+         return r.PushChunk(3, 1, b, 1024, g + b, shm::kChunkFlagStats, 1.0);
        },
-       {"rank 1", "(step 2, seq 0)", "(step 1, seq 0) was expected"}},
+       {"rank 1", "(step 3, seq 0)", "(step 1, seq 0) was expected"}},
       {"nan sumsq without the flag",
        [](FakeRank& r, const float* g, uint64_t b) {
          return r.PushChunk(1, 1, b, 1024, g + b, shm::kChunkFlagStats, std::nan(""));

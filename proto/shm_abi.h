@@ -28,7 +28,9 @@
 //          state = kSlotEmpty (release) and bump/wake each slot's wake_seq. When a layer's last
 //          chunk is reduced the layer goes to the update worker.
 // An abort bumps abort_epoch and every wake word: waiters return ABORTED; hostd then empties
-// every slot. A slot whose header names another step is stale and is discarded.
+// every slot. A slot whose header names an earlier step is stale and is discarded. Steps overlap:
+// a rank may begin step t+1 while t's updates run, and push t+1's chunks (sequence restarting at
+// 0) once all of its t chunks are published; hostd leaves such a chunk in its slot until t+1 runs.
 #pragma once
 
 #include <atomic>

@@ -50,6 +50,7 @@ absl::StatusOr<cudaEvent_t> NewEvent(bool blocking) {
 
 // One gradient push on its way from PushGrad to hostd's ring.
 struct PushJob {
+  RankClient::PushTicket ticket;  // the step it belongs to
   uint32_t layer = 0;
   const char* src = nullptr;     // device: element `begin` of the layer (or of the shard buffer)
   uint64_t begin = 0;            // first element of the layer pushed
@@ -105,8 +106,10 @@ struct GpuDataPlane::Impl {
   uint16_t* window = nullptr;
   std::vector<WindowSlot> slots;
   std::vector<StagingBuffer> staging;
-  std::vector<cudaEvent_t> consumed;      // per layer: the pushed gradient buffer is no longer read
-  std::vector<bool> consumed_recorded;    // guarded by mu
+  std::vector<cudaEvent_t> consumed;  // per layer: the pushed gradient buffer is no longer read
+  // Per layer (guarded by mu): pushes whose consumed event the copier has yet to record (the
+  // D2H reads the caller's buffer); the other routes record it in PushGrad.
+  std::vector<uint32_t> consumed_pending;
   std::vector<cudaEvent_t> chunk_events;  // one per ring slot
   std::vector<cudaEvent_t> produced;      // per layer: PushGrad's producer point
   ncclComm_t param_comm = nullptr;
@@ -121,6 +124,8 @@ struct GpuDataPlane::Impl {
   uint64_t outstanding = 0;            // jobs not yet fully published
   bool copier_busy = false;            // the copier holds a job taken from `jobs`
   absl::Status error;
+  bool error_reported = false;  // `error` was returned to the caller (ReportErrorLocked)
+  bool lowest_first = false;    // the copier's push order (Options::push_order)
   bool stop = false;
   Stats stats;
   std::thread copier;
@@ -146,9 +151,14 @@ absl::StatusOr<std::unique_ptr<GpuDataPlane>> GpuDataPlane::Create(RankClient* c
                                                    ", expected less than window_slots (",
                                                    options.window_slots, ")"));
   }
-  if (options.staging_buffers < 1 || options.staging_buffers > 8) {
+  if (options.staging_buffers < 1 || options.staging_buffers > 64) {
     return absl::InvalidArgumentError(
-        absl::StrCat("staging_buffers: ", options.staging_buffers, ", expected 1..8"));
+        absl::StrCat("staging_buffers: ", options.staging_buffers, ", expected 1..64"));
+  }
+  if (options.push_order != Options::PushOrder::kAuto &&
+      options.push_order != Options::PushOrder::kFifo) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "push_order: ", static_cast<int>(options.push_order), ", expected kAuto or kFifo"));
   }
   if (options.param_route != v1::PARAM_ROUTE_REPLICATED &&
       options.param_route != v1::PARAM_ROUTE_SHARDED &&
@@ -205,9 +215,11 @@ absl::Status GpuDataPlane::Init() {
   RETURN_IF_CUDA_ERROR(cudaStreamCreateWithPriority(&m.comm, cudaStreamNonBlocking, lo),
                        "collective stream");
 
-  // 3. The window: k slots, each the largest layer padded to world_size shards.
+  // 3. The window: k slots, each the largest streamed layer padded to world_size shards (layers
+  // the ranks update themselves, client_updated_layers, never pass through the window).
   uint64_t max_padded = 0;
   for (uint32_t l = 0; l < layers; ++l) {
+    if (client_->client_updated(l)) continue;
     max_padded = std::max(max_padded, shm::PaddedNumel(client_->layer_numel(l), world));
   }
   slot_elems_ = max_padded;
@@ -232,9 +244,9 @@ absl::Status GpuDataPlane::Init() {
   }
   m.consumed.resize(layers);
   m.produced.resize(layers);
-  // true: the consumed event of the layer's latest push is recorded (or there was none yet; a
-  // wait on a never-recorded event returns at once).
-  m.consumed_recorded.assign(layers, true);
+  // 0: the consumed event of the layer's latest push is recorded (or there was none yet; a wait
+  // on a never-recorded event returns at once).
+  m.consumed_pending.assign(layers, 0);
   for (uint32_t l = 0; l < layers; ++l) {
     ASSIGN_OR_RETURN(m.consumed[l], NewEvent(false));
     ASSIGN_OR_RETURN(m.produced[l], NewEvent(false));
@@ -246,6 +258,11 @@ absl::Status GpuDataPlane::Init() {
 
   // 5. Communicators, when a route needs one.
   const v1::GradRoute route = client_->layout().grad_route();
+  // Lowest layer first only where this rank's ring order cannot desynchronize the ranks: hostd
+  // reads the other routes' rings in lockstep (CPU reduction) or layer by layer with rank 0's
+  // ring leading (reduce-scatter), so there every rank must push the layers in the same order.
+  m.lowest_first = options_.push_order == Options::PushOrder::kAuto &&
+                   (world == 1 || route == v1::GRAD_ROUTE_GPU_REDUCTION);
   const bool collective =
       route == v1::GRAD_ROUTE_GPU_REDUCTION || route == v1::GRAD_ROUTE_REDUCE_SCATTER;
   if (collective || options_.param_route == v1::PARAM_ROUTE_SHARDED) {
@@ -356,46 +373,46 @@ GpuDataPlane::Stats GpuDataPlane::stats() const {
 void GpuDataPlane::SetError(const absl::Status& s) {
   {
     std::lock_guard<std::mutex> l(impl_->mu);
-    if (impl_->error.ok()) impl_->error = s;
+    if (impl_->error.ok()) {
+      impl_->error = s;
+      impl_->error_reported = false;
+    }
   }
   impl_->cv.notify_all();
 }
 
+absl::Status GpuDataPlane::ReportErrorLocked() {
+  impl_->error_reported = true;
+  return impl_->error;
+}
+
 absl::Status GpuDataPlane::BeginStep(uint64_t step, std::chrono::milliseconds timeout) {
   Impl& m = *impl_;
+  bool reset = false;
   {
-    // Drain the previous step. After a failure (an aborted step, say) the queued jobs are
-    // dropped; the copier and the publisher finish what they hold (without publishing) and the
-    // error is cleared once they are idle.
+    // The previous step's pushes are not waited for: the copier goes on with them while the
+    // caller's forward of this step runs (Fetch waits per layer for their updates). Only a
+    // failed gradient path whose error the caller has seen is reset: its queued jobs are
+    // dropped, and the copier and the publisher finish what they hold (without publishing).
     std::unique_lock<std::mutex> l(m.mu);
-    if (!m.error.ok()) {
-      m.outstanding -= std::min<uint64_t>(m.outstanding, m.jobs.size());
+    reset = !m.error.ok() && m.error_reported;
+    if (reset) {
       m.jobs.clear();
-    }
-    m.cv.notify_all();
-    auto idle = [&] {
-      return (m.outstanding == 0 || !m.error.ok()) && m.jobs.empty() && !m.copier_busy &&
-             m.inflight.empty();
-    };
-    if (!m.error.ok() || m.outstanding != 0) {
-      if (!m.cv.wait_for(l, timeout, [&] {
-            if (!m.error.ok()) {
-              m.outstanding -= std::min<uint64_t>(m.outstanding, m.jobs.size());
-              m.jobs.clear();
-            }
-            return idle();
-          })) {
+      m.cv.notify_all();
+      if (!m.cv.wait_for(l, timeout, [&] { return !m.copier_busy && m.inflight.empty(); })) {
         return absl::DeadlineExceededError(
-            "BeginStep: the previous step's gradients are still being pushed");
+            "BeginStep: the failed step's gradient pushes did not stop in time");
       }
+      m.error = absl::OkStatus();
+      m.error_reported = false;
+      m.outstanding = 0;
+      std::fill(m.consumed_pending.begin(), m.consumed_pending.end(), 0);
     }
-    m.error = absl::OkStatus();
-    m.outstanding = 0;
-    std::fill(m.consumed_recorded.begin(), m.consumed_recorded.end(), true);
   }
-  RETURN_IF_CUDA_ERROR(cudaStreamSynchronize(m.comm), "sync of the collective stream");
-  RETURN_IF_CUDA_ERROR(cudaStreamSynchronize(m.d2h), "sync of the D2H stream");
-  {
+  if (reset) {
+    // The dropped jobs' staging buffers may still be read by enqueued work.
+    RETURN_IF_CUDA_ERROR(cudaStreamSynchronize(m.comm), "sync of the collective stream");
+    RETURN_IF_CUDA_ERROR(cudaStreamSynchronize(m.d2h), "sync of the D2H stream");
     std::lock_guard<std::mutex> l(m.mu);
     for (StagingBuffer& b : m.staging) b.busy = false;
   }
@@ -421,6 +438,12 @@ absl::StatusOr<GpuDataPlane::Slot> GpuDataPlane::Fetch(uint32_t layer, uint64_t 
                                                        std::chrono::milliseconds timeout) {
   Impl& m = *impl_;
   RETURN_IF_ERROR(client_->CheckLayer(layer));
+  if (client_->client_updated(layer)) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("layer ", layer,
+                     " is updated by the ranks themselves "
+                     "(client_updated_layers) and has no window slot; read it with FetchParams"));
+  }
   // The first free slot from the rotation cursor: in a plain forward/backward rotation that is
   // the least recently used one; a caller that keeps some layers longer (e.g. embeddings for the
   // whole step) still gets the others.
@@ -579,7 +602,7 @@ absl::StatusOr<int> GpuDataPlane::TakeStaging(Clock::time_point deadline) {
   Impl& m = *impl_;
   std::unique_lock<std::mutex> l(m.mu);
   for (;;) {
-    if (!m.error.ok()) return m.error;
+    if (!m.error.ok()) return ReportErrorLocked();
     for (size_t i = 0; i < m.staging.size(); ++i) {
       StagingBuffer& b = m.staging[i];
       if (!b.busy) {
@@ -609,7 +632,7 @@ absl::Status GpuDataPlane::PushGrad(uint64_t step, uint32_t layer, const void* g
   Impl& m = *impl_;
   {
     std::lock_guard<std::mutex> l(m.mu);
-    if (!m.error.ok()) return m.error;
+    if (!m.error.ok()) return ReportErrorLocked();
   }
   if (dtype != 1 && dtype != 2) {
     return absl::InvalidArgumentError(
@@ -617,6 +640,7 @@ absl::Status GpuDataPlane::PushGrad(uint64_t step, uint32_t layer, const void* g
   }
   if (grad == nullptr) return absl::InvalidArgumentError("grad: must not be null");
   RETURN_IF_ERROR(client_->BeginLayerPush(step, layer));
+  const RankClient::PushTicket ticket = client_->push_ticket();
   const auto deadline = Clock::now() + timeout;
   const uint64_t numel = client_->layer_numel(layer);
   const int job_dtype = client_->grad_dtype();
@@ -626,6 +650,7 @@ absl::Status GpuDataPlane::PushGrad(uint64_t step, uint32_t layer, const void* g
 
   RETURN_IF_CUDA_ERROR(cudaEventRecord(m.produced[layer], producer), "record producer");
   PushJob job;
+  job.ticket = ticket;
   job.layer = layer;
   job.begin = range.begin;
   job.numel = range.numel;
@@ -691,7 +716,7 @@ absl::Status GpuDataPlane::PushGrad(uint64_t step, uint32_t layer, const void* g
   }
   {
     std::lock_guard<std::mutex> l(m.mu);
-    m.consumed_recorded[layer] = !job.record_consumed;
+    if (job.record_consumed) m.consumed_pending[layer]++;
     m.outstanding++;
     m.jobs.push_back(job);
   }
@@ -705,8 +730,8 @@ absl::Status GpuDataPlane::WaitGradConsumed(uint32_t layer, cudaStream_t stream)
     return absl::NotFoundError(absl::StrCat("layer: ", layer, " does not exist"));
   }
   std::unique_lock<std::mutex> l(m.mu);
-  m.cv.wait(l, [&] { return m.consumed_recorded[layer] || !m.error.ok() || m.stop; });
-  if (!m.error.ok()) return m.error;
+  m.cv.wait(l, [&] { return m.consumed_pending[layer] == 0 || !m.error.ok() || m.stop; });
+  if (!m.error.ok()) return ReportErrorLocked();
   l.unlock();
   RETURN_IF_CUDA_ERROR(cudaStreamWaitEvent(stream, m.consumed[layer], 0), "wait consumed");
   return absl::OkStatus();
@@ -719,24 +744,41 @@ absl::Status GpuDataPlane::WaitPushes(std::chrono::milliseconds timeout) {
     return absl::DeadlineExceededError(
         absl::StrCat("timed out with ", m.outstanding, " gradient pushes still in progress"));
   }
-  return m.error;
+  if (!m.error.ok()) return ReportErrorLocked();
+  return absl::OkStatus();
 }
 
-// The copier: for each job, in order, wait for hostd to free the next ring slot and enqueue the
-// chunk's D2H into it; the publisher hands it over once the copy is done.
+// The copier: for each job (FIFO, or the lowest layer of the oldest step, Options::push_order),
+// wait for hostd to free the next ring slot and enqueue the chunk's D2H into it; the publisher
+// hands it over once the copy is done.
 void GpuDataPlane::CopierLoop() {
   Impl& m = *impl_;
   cudaSetDevice(m.device);
   const uint64_t chunk_bytes = client_->chunk_bytes();
+  RankClient::PushTicket last;  // the step of the job taken last
   for (;;) {
     PushJob job;
     {
       std::unique_lock<std::mutex> l(m.mu);
-      m.cv.wait(l, [&] { return m.stop || (!m.jobs.empty() && m.error.ok()); });
+      // Jobs queue in step order. The next step's chunks restart the ring's sequence numbers, so
+      // they wait until every chunk of the previous step is published (RankClient's rule).
+      m.cv.wait(l, [&] {
+        return m.stop || (!m.jobs.empty() && m.error.ok() &&
+                          (m.jobs.front().ticket == last || m.inflight.empty()));
+      });
       if (m.stop) return;
-      job = m.jobs.front();
-      m.jobs.pop_front();
+      auto pick = m.jobs.begin();
+      if (m.lowest_first) {
+        // The layer the next forward needs first; collectives already ran in call order.
+        for (auto it = m.jobs.begin(); it != m.jobs.end() && it->ticket == m.jobs.front().ticket;
+             ++it) {
+          if (it->layer < pick->layer) pick = it;
+        }
+      }
+      job = *pick;
+      m.jobs.erase(pick);
       m.copier_busy = true;
+      last = job.ticket;
     }
     struct Idle {
       Impl& m;
@@ -748,13 +790,16 @@ void GpuDataPlane::CopierLoop() {
         m.cv.notify_all();
       }
     } idle{m};
+    auto consumed_recorded = [&]() {  // under m.mu
+      if (job.record_consumed && m.consumed_pending[job.layer] > 0) m.consumed_pending[job.layer]--;
+    };
     auto fail = [&](const absl::Status& s) {
       SetError(s);
       if (job.record_consumed) cudaEventRecord(m.consumed[job.layer], m.d2h);
       std::lock_guard<std::mutex> l(m.mu);
       if (m.outstanding > 0) m.outstanding--;
       if (job.staging >= 0) m.staging[job.staging].busy = false;
-      m.consumed_recorded[job.layer] = true;
+      consumed_recorded();
     };
     const size_t elem = DTypeBytes(job.dtype);
     const uint64_t chunk_elems = chunk_bytes / elem;
@@ -770,11 +815,13 @@ void GpuDataPlane::CopierLoop() {
       c.last_of_job = true;
       c.done = nullptr;
       if (job.staging >= 0) cudaEventRecord(m.staging[job.staging].free, m.d2h);
+      if (job.record_consumed) cudaEventRecord(m.consumed[job.layer], m.d2h);
       std::lock_guard<std::mutex> l(m.mu);
       if (job.staging >= 0) {
         m.staging[job.staging].busy = false;
         m.staging[job.staging].free_recorded = true;
       }
+      consumed_recorded();
       m.inflight.push_back(c);
       m.cv.notify_all();
       continue;
@@ -797,7 +844,7 @@ void GpuDataPlane::CopierLoop() {
         }
       }
       absl::StatusOr<RankClient::ChunkSlotRef> ref =
-          client_->AcquireChunkSlot(Clock::now() + std::chrono::minutes(10));
+          client_->AcquireChunkSlot(job.ticket, Clock::now() + std::chrono::minutes(10));
       const double waited = std::chrono::duration<double>(Clock::now() - w0).count();
       if (!ref.ok()) {
         fail(ref.status());
@@ -836,7 +883,7 @@ void GpuDataPlane::CopierLoop() {
           m.staging[job.staging].busy = false;
           m.staging[job.staging].free_recorded = true;
         }
-        if (job.record_consumed) m.consumed_recorded[job.layer] = true;
+        consumed_recorded();
       }
       m.inflight.push_back(c);
       m.cv.notify_all();
@@ -847,7 +894,7 @@ void GpuDataPlane::CopierLoop() {
       std::lock_guard<std::mutex> l(m.mu);
       if (m.outstanding > 0) m.outstanding--;
       if (job.staging >= 0) m.staging[job.staging].busy = false;
-      m.consumed_recorded[job.layer] = true;
+      consumed_recorded();
     }
   }
 }

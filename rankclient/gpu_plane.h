@@ -14,6 +14,16 @@
 //     publisher (waits for each chunk's copy, then hands the slot to hostd at once, so hostd's
 //     update of chunk k overlaps the D2H of chunk k+1).
 //
+// Push order (Options::push_order): the collectives of PushGrad run in call order on every rank;
+// what the copier chooses is the order of the D2H copies into this rank's ring. kFifo: call
+// order. kAuto: where this rank's ring order cannot desynchronize the ranks -- world size 1 on
+// any route, or the GPU-reduction route (only the pushing rank writes a ring; the others' jobs
+// push nothing) -- the copier takes, among the queued pushes of the oldest step, the one with
+// the lowest layer index (layers are in forward order: the one the next forward needs first);
+// otherwise (CPU reduction or reduce-scatter with world size > 1, where hostd needs every rank's
+// layers in the same order) call order. Pushes of one step always reach the ring before any of
+// the next step's.
+//
 // Parameter routes (Options::param_route; a collective choice, equal on every rank):
 //   replicated - every rank copies the whole layer H2D, in chunks of h2d_chunk_bytes;
 //   sharded    - rank r copies its shard shm::ShardOf(numel, R, r), then ncclAllGather fills the
@@ -29,17 +39,26 @@
 // chunk, which lets hostd apply AdamW chunk by chunk.
 //
 // A step on this API (compute = the caller's stream):
-//   plane->BeginStep(t);
-//   forward:  s = Fetch(l, t - 1) a few layers ahead; WaitSlot(s, compute); compute layer l;
+//   plane->BeginStep(t);  // at once: step t-1's pushes may still be on their way to hostd
+//   forward:  s = Fetch(l, t - 1) a few layers ahead (waits until t-1's update of layer l is
+//             published); WaitSlot(s, compute); compute layer l;
 //             ReleaseSlot(s, compute) once nothing enqueued later reads the slot;
 //   backward: compute layer l's gradient into g_l; PushGrad(t, l, g_l, dtype, compute);
 //             before reusing g_l: WaitGradConsumed(l, stream);
-//   WaitPushes(); then RankClient::WaitStep(t) (or the next BeginStep, which waits for it).
+//   then the next BeginStep(t + 1) right away; WaitPushes() (and RankClient::WaitStep(t)) only
+//   where the gradients must be in hostd (or the update done), e.g. before a checkpoint.
 //
 // Errors: Create returns FAILED_PRECONDITION/RESOURCE_EXHAUSTED/INTERNAL naming what failed
-// (registration, allocation, NCCL init). A gradient-thread failure (ABORTED when hostd aborts the
-// step, UNAVAILABLE when it goes away) is returned by the next PushGrad or WaitPushes; BeginStep
-// clears it.
+// (registration, allocation, NCCL init). A gradient-path failure (ABORTED when hostd aborts the
+// step a push belongs to, UNAVAILABLE when it goes away, a CUDA error) stops the gradient path
+// (queued pushes are not sent) and is returned from then on by every PushGrad, WaitGradConsumed
+// and WaitPushes; a PushGrad that returns it enqueues nothing. BeginStep never waits for earlier
+// pushes and never drops an error the caller has not been given: with such an error pending it
+// begins the step all the same, and the error surfaces at the step's first PushGrad or
+// WaitPushes (it may belong to the previous step; its message names that step). The first
+// BeginStep after the error was returned resets the gradient path: the failed step's queued
+// pushes are dropped, what the threads hold is let go (waiting up to `timeout`), and pushes go
+// through again.
 //
 // Thread safety: one caller thread uses the plane (and its RankClient's step API); the plane's
 // own threads touch only the gradient half of the RankClient. Destruction synchronizes the
@@ -77,7 +96,13 @@ class GpuDataPlane {
     // (not owned; used for both directions, so the caller must not run collectives on it
     // concurrently). Null: create communicators through hostd when a route needs them.
     ncclComm_t comm = nullptr;
-    uint32_t staging_buffers = 2;  // gradient staging buffers (GPU / reduce-scatter / casts)
+    // Gradient staging buffers (GPU / reduce-scatter / casts), 1..64, each of the largest
+    // layer's size (allocated on first use). Each push on those routes holds one until its D2H
+    // is enqueued: more let the backward run further ahead of hostd.
+    uint32_t staging_buffers = 2;
+    // The copier's order of pushes into the ring; see the overview.
+    enum class PushOrder { kAuto, kFifo };
+    PushOrder push_order = PushOrder::kAuto;
     uint64_t comm_generation = 1;  // hostd rendezvous generation of the first communicator
   };
 
@@ -106,8 +131,9 @@ class GpuDataPlane {
   GpuDataPlane(const GpuDataPlane&) = delete;
   GpuDataPlane& operator=(const GpuDataPlane&) = delete;
 
-  // Drains the gradient path of the previous step (errors of an aborted step are dropped) and
-  // begins `step` on the RankClient.
+  // Begins `step` on the RankClient without waiting for the previous step's pushes (they go on
+  // behind it). Resets a failed gradient path whose error was returned to the caller; see Errors
+  // above. DEADLINE_EXCEEDED when that reset does not finish within `timeout`.
   absl::Status BeginStep(uint64_t step, std::chrono::milliseconds timeout);
 
   // Takes the next window slot (FAILED_PRECONDITION when it is still held: release slots
@@ -135,9 +161,10 @@ class GpuDataPlane {
   // WaitPushes. Same argument codes as RankClient::PushGrad.
   absl::Status PushGrad(uint64_t step, uint32_t layer, const void* grad, int dtype,
                         cudaStream_t producer, std::chrono::milliseconds timeout);
-  // Makes `stream` wait until the gradient buffer pushed for `layer` is no longer read.
+  // Makes `stream` wait until the gradient buffers pushed for `layer` are no longer read.
   absl::Status WaitGradConsumed(uint32_t layer, cudaStream_t stream);
-  // Every pushed gradient is in hostd's rings; returns the first gradient-path error.
+  // Every pushed gradient (of this step and earlier ones) is in hostd's rings; returns the
+  // first gradient-path error.
   absl::Status WaitPushes(std::chrono::milliseconds timeout);
 
   RankClient* client() const { return client_; }
@@ -156,6 +183,8 @@ class GpuDataPlane {
   void CopierLoop();
   void PublisherLoop();
   void SetError(const absl::Status& s);
+  // Marks the gradient-path error as returned to the caller and returns it; under Impl::mu.
+  absl::Status ReportErrorLocked();
 
   RankClient* const client_;
   const Options options_;

@@ -8,9 +8,13 @@
 #include <cuda_runtime_api.h>
 #include <grpcpp/grpcpp.h>
 
+#include <atomic>
 #include <cstring>
 #include <filesystem>
+#include <map>
 #include <random>
+#include <thread>
+#include <tuple>
 
 #include "gtest/gtest.h"
 #include "hostd/engine.h"
@@ -367,6 +371,110 @@ TEST(GpuPlane, GradientRoutesMatchHostPushes) {
     }
   }
 }
+
+// Push order. Step 1 runs with layers 0..4 submitted in process, layer 5 pushed through the plane
+// behind a blocked stream (so the copier holds step 1's chunk in flight and cannot start step 2)
+// and layer 6 held back (so step 1 stays open and hostd keeps step 2's chunks in the ring).
+// BeginStep(2) returns at once; pushes of layers 3, 2, 1 of step 2 queue up; once the stream runs
+// the ring shows the copier's order: lowest layer first on kAuto (world size 1 on the CPU route,
+// the GPU-reduction route), call order on kFifo. Then step 1 completes and step 2 finishes.
+class PushOrderTest
+    : public ::testing::TestWithParam<std::tuple<v1::GradRoute, GpuDataPlane::Options::PushOrder>> {
+};
+
+TEST_P(PushOrderTest, CopierTakesTheLowestLayerFirstUnlessFifo) {
+  const auto [route, order] = GetParam();
+  auto h = StartHostd(route, 1 << 20);  // one chunk per layer
+  ASSERT_NE(h, nullptr);
+  auto client = AttachRank(*h);
+  ASSERT_NE(client, nullptr);
+  hostd::Engine& e = *h->engine;
+  hostd::TrainingState* st = e.state();
+  const uint32_t layers = client->num_layers();
+  ASSERT_EQ(layers, 7u);
+  GpuDataPlane::Options o;
+  o.window_slots = 2;
+  o.prefetch_depth = 1;
+  o.staging_buffers = 8;
+  o.push_order = order;
+  auto created = GpuDataPlane::Create(client.get(), o);
+  ASSERT_TRUE(created.ok()) << created.status();
+  GpuDataPlane& plane = **created;
+  cudaStream_t stream;
+  ASSERT_CUDA(cudaStreamCreate(&stream));
+  std::vector<void*> dev(layers, nullptr);
+  for (uint32_t l = 0; l < layers; ++l) {
+    const uint64_t n = client->layer_numel(l);
+    ASSERT_LE(n * 4, client->chunk_bytes());
+    ASSERT_CUDA(cudaMalloc(&dev[l], n * 4));
+    const std::vector<float> g = Gradient(l, 2, n);
+    ASSERT_CUDA(cudaMemcpy(dev[l], g.data(), n * 4, cudaMemcpyHostToDevice));
+  }
+  auto submit = [&](uint32_t l, uint64_t step) {
+    const std::vector<float> g = Gradient(l, step, client->layer_numel(l));
+    ASSERT_OK(e.SubmitGradient(l, step, {g.data(), kernels::GradType::kFp32, g.size()}));
+    ASSERT_OK(e.WaitLayerVersion(l, step, kTimeout));
+  };
+
+  ASSERT_OK(plane.BeginStep(1, kTimeout));
+  for (uint32_t l = 0; l <= 4; ++l) submit(l, 1);
+  std::atomic<bool> go{false};
+  ASSERT_CUDA(cudaLaunchHostFunc(
+      stream,
+      [](void* flag) {
+        while (!static_cast<std::atomic<bool>*>(flag)->load()) {
+          std::this_thread::sleep_for(std::chrono::milliseconds(1));
+        }
+      },
+      &go));
+  ASSERT_OK(plane.PushGrad(1, 5, dev[5], 1, stream, kTimeout));
+  ASSERT_OK(plane.BeginStep(2, kTimeout));
+  for (uint32_t l : {3u, 2u, 1u}) ASSERT_OK(plane.PushGrad(2, l, dev[l], 1, stream, kTimeout));
+  go = true;
+
+  // Step 1's layer 5 arrives; step 2's three chunks wait in the ring in the copier's order.
+  ASSERT_OK(client->WaitLayer(5, 1, kTimeout));
+  std::map<uint64_t, uint32_t> ring;  // seq -> layer
+  const auto deadline = std::chrono::steady_clock::now() + kTimeout;
+  while (ring.size() < 3 && std::chrono::steady_clock::now() < deadline) {
+    ring.clear();
+    for (uint32_t s = 0; s < st->grad_ring_slots(); ++s) {
+      const shm::ChunkSlot& cs = st->chunk_slot(0, s);
+      if (shm::Atomic(cs.state).load() == shm::kSlotFull && cs.step == 2) ring[cs.seq] = cs.layer;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  std::vector<uint32_t> got;
+  for (const auto& [seq, layer] : ring) got.push_back(layer);
+  const std::vector<uint32_t> want = order == GpuDataPlane::Options::PushOrder::kFifo
+                                         ? std::vector<uint32_t>{3, 2, 1}
+                                         : std::vector<uint32_t>{1, 2, 3};
+  EXPECT_EQ(got, want);
+
+  // Step 1 completes; step 2 takes its waiting chunks and finishes.
+  submit(6, 1);
+  for (uint32_t l : {6u, 5u, 4u, 0u}) ASSERT_OK(plane.PushGrad(2, l, dev[l], 1, stream, kTimeout));
+  ASSERT_OK(plane.WaitPushes(kTimeout));
+  ASSERT_OK(client->WaitStep(2, kTimeout));
+  auto stats = e.GetStats(v1::GetStatsRequest());
+  ASSERT_TRUE(stats.ok());
+  EXPECT_EQ(stats->steps_aborted(), 0u);
+  created->reset();
+  for (void* p : dev) cudaFree(p);
+  cudaStreamDestroy(stream);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Orders, PushOrderTest,
+    ::testing::Values(
+        std::make_tuple(v1::GRAD_ROUTE_CPU_REDUCTION, GpuDataPlane::Options::PushOrder::kAuto),
+        std::make_tuple(v1::GRAD_ROUTE_GPU_REDUCTION, GpuDataPlane::Options::PushOrder::kAuto),
+        std::make_tuple(v1::GRAD_ROUTE_CPU_REDUCTION, GpuDataPlane::Options::PushOrder::kFifo)),
+    [](const auto& info) {
+      return absl::StrCat(
+          v1::GradRoute_Name(std::get<0>(info.param)),
+          std::get<1>(info.param) == GpuDataPlane::Options::PushOrder::kFifo ? "_Fifo" : "_Auto");
+    });
 
 }  // namespace
 }  // namespace slidedp::rankclient

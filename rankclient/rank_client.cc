@@ -168,6 +168,7 @@ absl::Status RankClient::Init() {
     gethostname(host, sizeof(host) - 1);
     req.set_hostname(host);
     req.set_gpu(options_.gpu);
+    for (uint32_t l : options_.client_updated_layers) req.add_client_updated_layers(l);
     RETURN_IF_ERROR(FromGrpc(session_->stub->AttachRank(&ctx, req, &attach), "AttachRank"));
   }
   layout_ = attach.layout();
@@ -178,6 +179,10 @@ absl::Status RankClient::Init() {
   pushing_rank_ = layout_.grad_route() == v1::GRAD_ROUTE_CPU_REDUCTION ||
                   options_.rank == layout_.grad_pushing_rank();
   pushed_.assign(layout_.layers_size(), false);
+  client_updated_.assign(layout_.layers_size(), false);
+  for (uint32_t l : layout_.client_updated_layers()) {
+    if (l < client_updated_.size()) client_updated_[l] = true;
+  }
 
   // Map the segments and check every header against the layout.
   uint64_t hash = 0;
@@ -276,13 +281,25 @@ absl::Status RankClient::CheckLive() const {
   return absl::OkStatus();
 }
 
+absl::Status RankClient::CheckLive(const PushTicket& ticket) const {
+  if (detached_) return absl::FailedPreconditionError("rank is detached");
+  if (shm::Atomic(cb_->shutting_down).load(std::memory_order_acquire) != 0 ||
+      session_->lost.load()) {
+    return absl::UnavailableError("hostd is gone or shutting down");
+  }
+  if (shm::Atomic(cb_->abort_epoch).load(std::memory_order_acquire) != ticket.abort_epoch) {
+    return absl::AbortedError(absl::StrCat("step ", ticket.step, " was aborted by hostd"));
+  }
+  return absl::OkStatus();
+}
+
 template <typename Ready>
 absl::Status RankClient::WaitOn(uint32_t* word, Ready ready, Clock::time_point deadline,
-                                const char* what) {
+                                const char* what, const PushTicket* ticket) {
   for (;;) {
     const uint32_t seen = shm::Atomic(*word).load(std::memory_order_acquire);
     // Liveness first: after an abort, versions are sealed and would otherwise look "ready".
-    RETURN_IF_ERROR(CheckLive());
+    RETURN_IF_ERROR(ticket != nullptr ? CheckLive(*ticket) : CheckLive());
     if (ready()) return absl::OkStatus();
     const auto now = Clock::now();
     if (now >= deadline) return absl::DeadlineExceededError(absl::StrCat("timed out ", what));
@@ -304,8 +321,8 @@ absl::Status RankClient::BeginStep(uint64_t step, std::chrono::milliseconds time
   RETURN_IF_ERROR(FromGrpc(session_->stub->BeginStep(&ctx, req, &resp), "BeginStep"));
   step_ = step;
   abort_epoch_ = epoch;
-  acquire_seq_ = 0;
-  publish_seq_ = 0;
+  // The ring's sequence numbers are not reset here: the gradient path may still be pushing the
+  // previous step (AcquireChunkSlot restarts them with the first chunk of this step).
   std::fill(pushed_.begin(), pushed_.end(), false);
   session_->step = step;
   return absl::OkStatus();
@@ -372,6 +389,12 @@ absl::Status RankClient::CheckStepAndLayer(uint64_t step, uint32_t layer) const 
 
 absl::Status RankClient::BeginLayerPush(uint64_t step, uint32_t layer) {
   RETURN_IF_ERROR(CheckStepAndLayer(step, layer));
+  if (client_updated_[layer]) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("layer ", layer,
+                     " is updated by the ranks themselves (client_updated_layers); its "
+                     "gradient is not pushed to hostd"));
+  }
   if (pushed_[layer]) {
     return absl::AlreadyExistsError(
         absl::StrCat("layer ", layer, " was already pushed in step ", step));
@@ -414,9 +437,32 @@ absl::Status RankClient::CheckLayerVersion(uint32_t layer, uint64_t version) con
   return absl::OkStatus();
 }
 
-absl::StatusOr<RankClient::ChunkSlotRef> RankClient::AcquireChunkSlot(Clock::time_point deadline) {
+absl::StatusOr<RankClient::ChunkSlotRef> RankClient::AcquireChunkSlot(const PushTicket& ticket,
+                                                                      Clock::time_point deadline) {
   if (failpoint_ == "push_stop" && chunks_pushed_ + 1 == failpoint_at_) raise(SIGSTOP);
   const uint32_t slots = layout_.grad_ring_slots();
+  if (ticket != ring_ticket_) {
+    RETURN_IF_ERROR(CheckLive(ticket));
+    if (ticket.abort_epoch == ring_ticket_.abort_epoch && ticket.step < ring_ticket_.step) {
+      return absl::FailedPreconditionError(absl::StrCat("a chunk of step ", ticket.step,
+                                                        " after chunks of step ", ring_ticket_.step,
+                                                        "; a rank pushes its steps in order"));
+    }
+    // hostd consumes a rank's ring in sequence order, step by step: chunks of this step placed
+    // before the previous step's missing ones would never be reached (and the slot of a missing
+    // one reads empty, so it could be taken twice). An aborted step's slots are emptied by hostd.
+    const bool previous_aborted =
+        shm::Atomic(cb_->abort_epoch).load(std::memory_order_acquire) != ring_ticket_.abort_epoch;
+    if (publish_seq_ != acquire_seq_ && !previous_aborted) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("chunks ", publish_seq_.load(), "..", acquire_seq_.load() - 1, " of step ",
+                       ring_ticket_.step, " were acquired but not published; step ", ticket.step,
+                       "'s chunks cannot go into the ring before them"));
+    }
+    ring_ticket_ = ticket;
+    acquire_seq_ = 0;
+    publish_seq_ = 0;
+  }
   if (acquire_seq_ >= publish_seq_ + slots) {
     return absl::FailedPreconditionError(absl::StrCat(
         "all ", slots, " gradient ring slots are acquired; publish one before acquiring more"));
@@ -428,8 +474,9 @@ absl::StatusOr<RankClient::ChunkSlotRef> RankClient::AcquireChunkSlot(Clock::tim
   RETURN_IF_ERROR(WaitOn(
       &cs->wake_seq,
       [&] { return shm::Atomic(cs->state).load(std::memory_order_acquire) == shm::kSlotEmpty; },
-      deadline, "waiting for a free gradient slot"));
+      deadline, "waiting for a free gradient slot", &ticket));
   ChunkSlotRef ref;
+  ref.ticket = ticket;
   ref.seq = acquire_seq_++;
   ref.slot = slot;
   ref.data =
@@ -447,12 +494,12 @@ absl::Status RankClient::PublishChunk(const ChunkSlotRef& ref, uint32_t layer, u
     return absl::InvalidArgumentError(absl::StrCat("numel: ", numel, " elements exceed a slot of ",
                                                    layout_.chunk_bytes(), " bytes"));
   }
-  RETURN_IF_ERROR(CheckLive());
+  RETURN_IF_ERROR(CheckLive(ref.ticket));
   const uint32_t slots = layout_.grad_ring_slots();
   const size_t index = shm::ChunkSlotIndex(options_.rank, ref.slot, slots);
   auto* cs = control_.at<shm::ChunkSlot>(shm::ChunkSlotsOffset(num_layers()) +
                                          index * sizeof(shm::ChunkSlot));
-  cs->step = step_;
+  cs->step = ref.ticket.step;
   cs->seq = ref.seq;
   cs->offset_elements = offset;
   cs->numel = numel;
@@ -488,13 +535,14 @@ absl::Status RankClient::PushGrad(uint64_t step, uint32_t layer, const void* dat
                                                    " bytes (", numel, " elements), got ", bytes));
   }
   RETURN_IF_ERROR(BeginLayerPush(step, layer));
+  const PushTicket ticket = push_ticket();
   const shm::ShardRange range = PushRange(layer);
   const uint64_t chunk_elems = layout_.chunk_bytes() / elem;
   const auto deadline = Clock::now() + timeout;
   const auto* src = static_cast<const char*>(data);
   for (uint64_t off = range.begin; off < range.begin + range.numel; off += chunk_elems) {
     const uint64_t n = std::min(chunk_elems, range.begin + range.numel - off);
-    ASSIGN_OR_RETURN(ChunkSlotRef ref, AcquireChunkSlot(deadline));
+    ASSIGN_OR_RETURN(ChunkSlotRef ref, AcquireChunkSlot(ticket, deadline));
     std::memcpy(ref.data, src + off * elem, n * elem);
     RETURN_IF_ERROR(PublishChunk(ref, layer, off, n, dtype, off == range.begin ? stats : nullptr));
   }
@@ -526,6 +574,17 @@ absl::StatusOr<std::string> RankClient::FetchCommId(uint64_t generation,
   v1::FetchCommIdResponse resp;
   RETURN_IF_ERROR(FromGrpc(session_->stub->FetchCommId(&ctx, req, &resp), "FetchCommId"));
   return resp.unique_id();
+}
+
+absl::StatusOr<v1::JobStatus> RankClient::JobStatus() const {
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() +
+                   std::chrono::milliseconds(options_.timeout_ms));
+  v1::GetStatusResponse resp;
+  RETURN_IF_ERROR(
+      FromGrpc(session_->stub->GetStatus(&ctx, v1::GetStatusRequest(), &resp), "GetStatus"));
+  if (!resp.has_job()) return absl::FailedPreconditionError("hostd has no job");
+  return resp.job();
 }
 
 absl::Status RankClient::WaitStep(uint64_t step, std::chrono::milliseconds timeout) {

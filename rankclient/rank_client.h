@@ -3,7 +3,9 @@
 // heartbeats and is the rank's liveness signal), maps the shared-memory segments by name
 // (checking magic, ABI version, sizes and the manifest hash) and then runs the data plane
 // through shared memory only:
-//   - BeginStep(t): the step t begins for this rank (an RPC; waits for step t-1's updates);
+//   - BeginStep(t): the step t begins for this rank (an RPC; hostd accepts it at once while step
+//     t-1's updates are still applied, and nothing waits for them here: FetchParams' version
+//     gate waits per layer);
 //   - FetchParams(l, v): the per-layer version gate (futex) until layer l reaches version v,
 //     then a copy of its BF16 parameters, verified against a concurrent write (seqlock-style);
 //   - PushGrad(t, l, ...): the layer's gradient, chunk by chunk, through this rank's ring;
@@ -26,10 +28,15 @@
 // layer done; reduce-scatter - every rank pushes its shard shm::ShardOf() of the aggregated
 // gradient. PushRange() says which elements this rank pushes.
 //
-// Thread safety: one thread drives BeginStep/Fetch/WaitLayer/WaitStep; the gradient path
-// (BeginLayerPush/AcquireChunkSlot/PublishChunk/PushGrad) may run on a second thread, provided
-// BeginStep is not called while a push is under way. The session runs on internal threads.
-// Destruction detaches.
+// Steps overlap on the gradient path: after BeginStep(t + 1) the slot-level API may still push
+// step t's chunks, under the PushTicket taken when step t's push began; the ring's sequence
+// numbers restart at 0 with the first chunk of the next ticket (see AcquireChunkSlot).
+//
+// Thread safety: one thread drives BeginStep/Fetch/WaitLayer/WaitStep; BeginLayerPush,
+// push_ticket and PushGrad may run on a second thread, provided BeginStep does not run
+// concurrently with them. AcquireChunkSlot may run on a further thread and PublishChunk on yet
+// another (the GPU plane's copier and publisher), concurrently with BeginStep. The session runs
+// on internal threads. Destruction detaches.
 #pragma once
 
 #include <atomic>
@@ -57,6 +64,9 @@ class RankClient {
     std::string manifest_hash;    // the rank's model; must equal the job's
     int32_t gpu = -1;             // the rank's CUDA device (reported to hostd); -1: none
     uint32_t timeout_ms = 30000;  // for RPCs
+    // Layers this rank keeps resident and updates itself; see AttachRankRequest. Every rank of
+    // the job must pass the same set. Their gradients are never pushed (PushGrad refuses them).
+    std::vector<uint32_t> client_updated_layers;
   };
 
   static absl::StatusOr<std::unique_ptr<RankClient>> Attach(const Options& options);
@@ -83,6 +93,12 @@ class RankClient {
   uint32_t world_size() const { return layout_.world_size(); }
   uint32_t num_layers() const { return static_cast<uint32_t>(layout_.layers_size()); }
   const slidedp::v1::Layout& layout() const { return layout_; }
+  // True when the ranks update `layer` themselves (Layout.client_updated_layers).
+  bool client_updated(uint32_t layer) const {
+    return layer < client_updated_.size() && client_updated_[layer];
+  }
+  // The job's status from hostd (GetStatus): optimizer config, steps completed, ...
+  absl::StatusOr<slidedp::v1::JobStatus> JobStatus() const;
   // NOT_FOUND naming the layer and the model's layer count for an unknown layer, else OK.
   absl::Status CheckLayer(uint32_t layer) const;
   // Elements of a layer (0 for an unknown layer).
@@ -136,17 +152,35 @@ class RankClient {
   // Starts this rank's push of `layer` in `step`: checks the step, the layer and that it was not
   // pushed before (same codes as PushGrad), and marks it pushed.
   absl::Status BeginLayerPush(uint64_t step, uint32_t layer);
-  // The ring slot of this rank's next chunk sequence number, once hostd has emptied it. Up to
-  // grad_ring_slots slots may be acquired before the first of them is published.
+  // The step a push belongs to: the current step and the abort epoch read at its BeginStep.
+  // Taken when the push begins (after BeginLayerPush), it lets the gradient path finish a step's
+  // pushes after BeginStep began the next one; an abort of that step (epoch moved) fails them.
+  struct PushTicket {
+    uint64_t step = 0;
+    uint64_t abort_epoch = 0;
+    bool operator==(const PushTicket& o) const {
+      return step == o.step && abort_epoch == o.abort_epoch;
+    }
+    bool operator!=(const PushTicket& o) const { return !(*this == o); }
+  };
+  PushTicket push_ticket() const { return PushTicket{step_, abort_epoch_}; }
+  // The ring slot of this rank's next chunk sequence number of `ticket`'s step, once hostd has
+  // emptied it. Up to grad_ring_slots slots may be acquired before the first of them is
+  // published. Chunks go into the ring ticket by ticket: the first slot of a new ticket restarts
+  // the sequence at 0, and needs every slot acquired under the previous ticket published first,
+  // or that ticket's step aborted (FAILED_PRECONDITION otherwise: hostd would wait forever for
+  // the missing chunk). ABORTED when `ticket`'s step was aborted, UNAVAILABLE when hostd is gone.
   struct ChunkSlotRef {
     uint64_t seq = 0;
     uint32_t slot = 0;
     void* data = nullptr;  // chunk_bytes() bytes in the grads mapping
+    PushTicket ticket;     // the step the chunk belongs to
   };
-  absl::StatusOr<ChunkSlotRef> AcquireChunkSlot(std::chrono::steady_clock::time_point deadline);
-  // Hands an acquired slot, holding elements [offset, offset + numel) of `layer`, to hostd.
-  // Slots are published in the order they were acquired (INTERNAL otherwise). `stats` only on
-  // the rank's first chunk of the layer.
+  absl::StatusOr<ChunkSlotRef> AcquireChunkSlot(const PushTicket& ticket,
+                                                std::chrono::steady_clock::time_point deadline);
+  // Hands an acquired slot, holding elements [offset, offset + numel) of `layer`, to hostd as a
+  // chunk of ref.ticket's step. Slots are published in the order they were acquired (INTERNAL
+  // otherwise). `stats` only on the rank's first chunk of the layer.
   absl::Status PublishChunk(const ChunkSlotRef& ref, uint32_t layer, uint64_t offset,
                             uint64_t numel, int dtype, const LayerStats* stats);
   // Rendezvous for an NCCL unique id through hostd (rank 0 publishes, the others fetch, waiting
@@ -165,14 +199,18 @@ class RankClient {
   struct Session;
   explicit RankClient(Options options);
   absl::Status Init();
+  // For the current step (step_, abort_epoch_).
   absl::Status CheckLive() const;
+  // For the step of a push ticket (the gradient path).
+  absl::Status CheckLive(const PushTicket& ticket) const;
   // OUT_OF_RANGE for a step other than the current one, NOT_FOUND for an unknown layer.
   absl::Status CheckStepAndLayer(uint64_t step, uint32_t layer)
       const;  // ABORTED / UNAVAILABLE when the step can no longer go on
-  // Blocks on a futex word until `ready()` or the deadline; returns CheckLive() failures.
+  // Blocks on a futex word until `ready()` or the deadline; returns CheckLive() failures (of
+  // `ticket`'s step when given).
   template <typename Ready>
   absl::Status WaitOn(uint32_t* word, Ready ready, std::chrono::steady_clock::time_point deadline,
-                      const char* what);
+                      const char* what, const PushTicket* ticket = nullptr);
 
   const Options options_;
   slidedp::v1::Layout layout_;
@@ -185,10 +223,14 @@ class RankClient {
   shm::ControlBlock* cb_ = nullptr;
   uint64_t step_ = 0;
   uint64_t next_step_ = 0;
-  uint64_t abort_epoch_ = 0;              // at BeginStep
-  std::atomic<uint64_t> acquire_seq_{0};  // next chunk sequence number to acquire in the step
+  uint64_t abort_epoch_ = 0;  // at BeginStep
+  // The gradient path's ring position: the ticket of the chunks being acquired (AcquireChunkSlot's
+  // thread only) and the sequence numbers within it.
+  PushTicket ring_ticket_;
+  std::atomic<uint64_t> acquire_seq_{0};  // next chunk sequence number to acquire
   std::atomic<uint64_t> publish_seq_{0};  // next chunk sequence number to publish
   std::vector<bool> pushed_;
+  std::vector<bool> client_updated_;  // per layer, from the layout
   bool pushing_rank_ = true;
   int grad_dtype_ = 2;
   bool detached_ = false;

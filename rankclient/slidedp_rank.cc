@@ -8,7 +8,9 @@
 #include <string>
 
 #include "absl/strings/str_cat.h"
+#include "hostd/lr_schedule.h"
 #include "hostd/manifest.h"
+#include "nlohmann/json.hpp"
 #include "rankclient/rank_client.h"
 #ifdef SLIDEDP_RANK_WITH_GPU
 #include <map>
@@ -87,6 +89,30 @@ int slidedp_manifest_hash_from_hf_config(const char* config, char* out, size_t o
   });
 }
 
+int slidedp_manifest_layers_from_hf_config(const char* config, char* out, size_t out_len) {
+  return Guard([&] {
+    if (config == nullptr || out == nullptr) {
+      return Fail(absl::StatusCode::kInvalidArgument, "config and out must be non-null");
+    }
+    const std::string text(config);
+    auto model = (text == "tiny" || text == "tiny-tied")
+                     ? slidedp::hostd::LoadModel(text)
+                     : slidedp::hostd::ManifestFromHfConfig(text, "config.json");
+    if (!model.ok()) return Fail(model.status());
+    nlohmann::json layers = nlohmann::json::array();
+    for (const auto& l : model->manifest.layers()) {
+      layers.push_back({{"name", l.name()}, {"kind", slidedp::v1::LayerKind_Name(l.kind())}});
+    }
+    const std::string dumped = layers.dump();
+    if (dumped.size() + 1 > out_len) {
+      return Fail(absl::StatusCode::kResourceExhausted,
+                  absl::StrCat("out_len: ", out_len, ", the layer list needs ", dumped.size() + 1));
+    }
+    std::memcpy(out, dumped.c_str(), dumped.size() + 1);
+    return Ok();
+  });
+}
+
 int slidedp_rank_attach(const slidedp_rank_options* o, slidedp_rank** out) {
   return Guard([&] {
     if (o == nullptr || out == nullptr) {
@@ -107,6 +133,12 @@ int slidedp_rank_attach(const slidedp_rank_options* o, slidedp_rank** out) {
     opts.manifest_hash = o->manifest_hash != nullptr ? o->manifest_hash : "";
     opts.gpu = o->gpu;
     opts.timeout_ms = o->timeout_ms != 0 ? o->timeout_ms : 30000;
+    if (o->num_client_updated_layers > 0 && o->client_updated_layers == nullptr) {
+      return Fail(absl::StatusCode::kInvalidArgument,
+                  "client_updated_layers: null with num_client_updated_layers > 0");
+    }
+    opts.client_updated_layers.assign(o->client_updated_layers,
+                                      o->client_updated_layers + o->num_client_updated_layers);
     auto client = slidedp::rankclient::RankClient::Attach(opts);
     if (!client.ok()) return Fail(client.status());
     *out = new slidedp_rank{std::move(*client)};
@@ -207,6 +239,41 @@ int slidedp_rank_grad_dtype(const slidedp_rank* h, int* dtype) {
   return Ok();
 }
 
+int slidedp_rank_optimizer_json(const slidedp_rank* h, uint64_t step, char* out, size_t out_len) {
+  SLIDEDP_CHECK_HANDLE(h);
+  if (out == nullptr) return Fail(absl::StatusCode::kInvalidArgument, "out is null");
+  absl::StatusOr<slidedp::v1::JobStatus> st = h->client->JobStatus();
+  if (!st.ok()) return Fail(st.status());
+  const slidedp::v1::OptimizerConfig& o = st->optimizer();
+  nlohmann::json j;
+  j["lr"] = slidedp::hostd::LearningRate(o, step);
+  j["beta1"] = o.beta1();
+  j["beta2"] = o.beta2();
+  j["eps"] = o.eps();
+  j["weight_decay"] = o.weight_decay();
+  j["no_decay_norms_and_biases"] = o.no_decay_norms_and_biases();
+  j["clip"] = o.clip() == slidedp::v1::CLIP_POLICY_PER_LAYER ? "per_layer"
+              : o.clip() == slidedp::v1::CLIP_POLICY_GLOBAL  ? "global"
+                                                             : "none";
+  j["max_grad_norm"] = o.max_grad_norm();
+  j["scale_by_world_size"] = o.scale_by_world_size();
+  j["steps_completed"] = st->step();
+  nlohmann::json names = nlohmann::json::array();
+  for (const auto& l : h->client->layout().layers()) {
+    for (const auto& t : l.tensors()) {
+      if (t.no_decay()) names.push_back(t.name());
+    }
+  }
+  j["no_decay_tensors"] = std::move(names);
+  const std::string text = j.dump();
+  if (text.size() + 1 > out_len) {
+    return Fail(absl::StatusCode::kResourceExhausted,
+                absl::StrCat("out_len: ", out_len, ", the optimizer JSON needs ", text.size() + 1));
+  }
+  std::memcpy(out, text.c_str(), text.size() + 1);
+  return Ok();
+}
+
 int slidedp_rank_grad_route(const slidedp_rank* h, int* route) {
   SLIDEDP_CHECK_HANDLE(h);
   if (route == nullptr) return Fail(absl::StatusCode::kInvalidArgument, "route is null");
@@ -298,6 +365,7 @@ int slidedp_gpu_plane_create(slidedp_rank* h, const slidedp_gpu_plane_options* o
                                          : slidedp::v1::PARAM_ROUTE_REPLICATED;
     po.reduce_in_fp32 = o->reduce_in_fp32 != 0;
     po.comm = static_cast<ncclComm_t>(o->nccl_comm);
+    if (o->staging_buffers != 0) po.staging_buffers = o->staging_buffers;
     auto plane = slidedp::rankclient::GpuDataPlane::Create(h->client.get(), po);
     if (!plane.ok()) return Fail(plane.status());
     auto* p = new slidedp_gpu_plane;

@@ -20,7 +20,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#define SLIDEDP_RANK_ABI_VERSION 1
+#define SLIDEDP_RANK_ABI_VERSION 2
 #define SLIDEDP_RANK_EXPORT __attribute__((visibility("default")))
 #define SLIDEDP_DTYPE_FP32 1
 #define SLIDEDP_DTYPE_BF16 2
@@ -39,6 +39,10 @@ typedef struct slidedp_rank_options {
   const char* manifest_hash; /* 16 hex digits; see slidedp_manifest_hash_from_hf_config */
   int32_t gpu;               /* -1: CPU backend */
   uint32_t timeout_ms;       /* RPC timeout; 0: 30000 */
+  /* Layers this rank keeps resident and updates itself (hostd never gets their gradients);
+   * every rank must pass the same set. NULL/0: none. (ABI 2) */
+  const uint32_t* client_updated_layers;
+  uint32_t num_client_updated_layers;
 } slidedp_rank_options;
 
 SLIDEDP_RANK_EXPORT int slidedp_rank_abi_version(void);
@@ -48,6 +52,11 @@ SLIDEDP_RANK_EXPORT const char* slidedp_rank_last_error(void);
  * built-ins). Writes 16 hex digits and a NUL into out (out_len >= 17). */
 SLIDEDP_RANK_EXPORT int slidedp_manifest_hash_from_hf_config(const char* config_json_or_builtin,
                                                              char* out, size_t out_len);
+
+/* The manifest's layers for an HF config.json text, in hostd's order (the layer index is the
+ * position), as JSON: [{"name": "model.embed_tokens", "kind": "LAYER_KIND_EMBEDDING"}, ...]. */
+SLIDEDP_RANK_EXPORT int slidedp_manifest_layers_from_hf_config(const char* config_json_or_builtin,
+                                                               char* out, size_t out_len);
 
 SLIDEDP_RANK_EXPORT int slidedp_rank_attach(const slidedp_rank_options* options,
                                             slidedp_rank** out);
@@ -77,6 +86,13 @@ SLIDEDP_RANK_EXPORT int slidedp_rank_grad_dtype(const slidedp_rank* h, int* dtyp
 SLIDEDP_RANK_EXPORT int slidedp_rank_grad_route(const slidedp_rank* h, int* route);
 /* The job's next step when this handle attached (1 for a fresh job): the first step to begin. */
 SLIDEDP_RANK_EXPORT int slidedp_rank_next_step(const slidedp_rank* h, uint64_t* step);
+/* hostd's optimizer for this job as JSON, for the layers a rank updates itself:
+ * {"lr": LR of update `step` (schedule applied), "beta1", "beta2", "eps", "weight_decay",
+ *  "no_decay_norms_and_biases", "no_decay_tensors": [names], "clip": "none"|"per_layer"|"global",
+ *  "max_grad_norm", "scale_by_world_size", "steps_completed"}. One GetStatus RPC.
+ * RESOURCE_EXHAUSTED when out_len is too small (the message gives the size needed). */
+SLIDEDP_RANK_EXPORT int slidedp_rank_optimizer_json(const slidedp_rank* h, uint64_t step, char* out,
+                                                    size_t out_len);
 
 SLIDEDP_RANK_EXPORT int slidedp_rank_begin_step(slidedp_rank* h, uint64_t step,
                                                 uint32_t timeout_ms);
@@ -114,6 +130,9 @@ typedef struct slidedp_gpu_plane_options {
   int32_t param_route;      /* 0 or 1 replicated, 2 sharded (equal on every rank) */
   int32_t reduce_in_fp32; /* widen BF16 gradients before a collective (1, the default) or not (0) */
   void* nccl_comm;        /* an existing ncclComm_t of the job's ranks, or NULL */
+  /* Gradient staging buffers (1..64; 0: 2). On the GPU-reduction route each gradient waiting for
+   * its D2H holds one, so more let backward run ahead of hostd's updates. (ABI 2) */
+  uint32_t staging_buffers;
 } slidedp_gpu_plane_options;
 
 SLIDEDP_RANK_EXPORT int slidedp_rank_has_gpu(void);

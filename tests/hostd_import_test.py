@@ -197,7 +197,9 @@ class Options(ctypes.Structure):
     _fields_ = [("abi_version", ctypes.c_uint32), ("socket", ctypes.c_char_p),
                 ("job_id", ctypes.c_char_p), ("rank", ctypes.c_uint32),
                 ("manifest_hash", ctypes.c_char_p), ("gpu", ctypes.c_int32),
-                ("timeout_ms", ctypes.c_uint32)]
+                ("timeout_ms", ctypes.c_uint32),
+                ("client_updated_layers", ctypes.POINTER(ctypes.c_uint32)),
+                ("num_client_updated_layers", ctypes.c_uint32)]
 
 
 def load_lib():
@@ -298,7 +300,7 @@ class HostdImportTest(unittest.TestCase):
         status = self.ctl_json(sock, "status")
         checksums = {l["layer"]: l["checksum"] for l in self.ctl_json(sock, "layers", "--checksums")}
         lib = self.lib
-        opts = Options(1, sock.encode(), None, 0, status["job"]["manifest_hash"].encode(), -1,
+        opts = Options(2, sock.encode(), None, 0, status["job"]["manifest_hash"].encode(), -1,
                        10000)
         h = ctypes.c_void_p()
         self.assertEqual(lib.slidedp_rank_attach(ctypes.byref(opts), ctypes.byref(h)), 0,

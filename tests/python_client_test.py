@@ -225,6 +225,26 @@ class PythonClientTest(unittest.TestCase):
         self.check_against_reference(d, per_rank, dump,
                                      "2 ranks, no recompute, tied, 2 micro-batches")
 
+    def test_two_ranks_resident_nondecoder(self):
+        """nondecoder="resident": embeddings, final norm and lm_head stay on the device and are
+        updated there (their gradients all-reduced over the process group); hostd updates only
+        the decoder layers and completes each step without them."""
+        d = self.prepare("resident", "qwen3-tiny")
+        sock, _, _ = self.start_hostd(d, 2, "r")
+        # gloo: it all-reduces CUDA tensors too, and NCCL refuses two ranks on one GPU.
+        per_rank, dump = self.run_ranks(sock, d, 2, "r", ["--checkpointing", "full",
+                                                         "--nondecoder", "resident",
+                                                         "--dist-backend", "gloo"])
+        self.check_against_reference(d, per_rank, dump, "2 ranks, resident non-decoder layers")
+        # hostd ran every step without those layers' gradients (embedding 0, norm 5, lm_head 6
+        # of the 4-layer model) and says so.
+        ctl = os.path.join(os.path.dirname(os.path.dirname(HOSTD)), "slidedpctl", "slidedpctl")
+        out = subprocess.run([ctl, "--socket", sock, "status", "--json"], capture_output=True,
+                             text=True, check=True).stdout
+        job = json.loads(out)["job"]
+        self.assertEqual(job["client_updated_layers"], [0, 5, 6], out)
+        self.assertEqual(int(job["step"]), STEPS, out)
+
     def test_window_schedule_on_cpu(self):
         """The GPU backend's window discipline (fixed slots, prefetch, saved views of a slot
         turned into tokens and fetched again in backward) run on the host with BF16 compute:

@@ -33,14 +33,17 @@ class Options(ctypes.Structure):
     _fields_ = [("abi_version", ctypes.c_uint32), ("socket", ctypes.c_char_p),
                 ("job_id", ctypes.c_char_p), ("rank", ctypes.c_uint32),
                 ("manifest_hash", ctypes.c_char_p), ("gpu", ctypes.c_int32),
-                ("timeout_ms", ctypes.c_uint32)]
+                ("timeout_ms", ctypes.c_uint32),
+                ("client_updated_layers", ctypes.POINTER(ctypes.c_uint32)),
+                ("num_client_updated_layers", ctypes.c_uint32)]
 
 
 class PlaneOptions(ctypes.Structure):
     _fields_ = [("abi_version", ctypes.c_uint32), ("device", ctypes.c_int32),
                 ("window_slots", ctypes.c_uint32), ("h2d_chunk_bytes", ctypes.c_uint64),
                 ("param_route", ctypes.c_int32), ("reduce_in_fp32", ctypes.c_int32),
-                ("nccl_comm", ctypes.c_void_p)]
+                ("nccl_comm", ctypes.c_void_p),
+                ("staging_buffers", ctypes.c_uint32)]
 
 
 def load():
@@ -105,7 +108,7 @@ class RankCtypesGpuTest(unittest.TestCase):
     def attach(self, sock):
         h = ctypes.create_string_buffer(17)
         self.ok(self.lib.slidedp_manifest_hash_from_hf_config(b"tiny", h, 17), "hash")
-        o = Options(1, sock.encode(), None, 0, h.value, 0, 60000)
+        o = Options(2, sock.encode(), None, 0, h.value, 0, 60000)
         handle = ctypes.c_void_p()
         self.ok(self.lib.slidedp_rank_attach(ctypes.byref(o), ctypes.byref(handle)), "attach")
         return handle
@@ -132,13 +135,13 @@ class RankCtypesGpuTest(unittest.TestCase):
             self.ok(lib.slidedp_rank_layer_numel(g, l, ctypes.byref(v)), "numel")
             numel.append(v.value)
 
-        po = PlaneOptions(1, 0, 2, 8192, 1, 1, None)
+        po = PlaneOptions(2, 0, 2, 8192, 1, 1, None)
         plane = ctypes.c_void_p()
         self.ok(lib.slidedp_gpu_plane_create(g, ctypes.byref(po), ctypes.byref(plane)), "create")
         stream = torch.cuda.current_stream()
         sp = ctypes.c_void_p(stream.cuda_stream)
         # Bad input through the GPU calls.
-        bad = PlaneOptions(1, 0, 2, 8192, 7, 1, None)
+        bad = PlaneOptions(2, 0, 2, 8192, 7, 1, None)
         other = ctypes.c_void_p()
         self.assertEqual(lib.slidedp_gpu_plane_create(g, ctypes.byref(bad), ctypes.byref(other)),
                          INVALID_ARGUMENT)

@@ -33,7 +33,9 @@ class Options(ctypes.Structure):
     _fields_ = [("abi_version", ctypes.c_uint32), ("socket", ctypes.c_char_p),
                 ("job_id", ctypes.c_char_p), ("rank", ctypes.c_uint32),
                 ("manifest_hash", ctypes.c_char_p), ("gpu", ctypes.c_int32),
-                ("timeout_ms", ctypes.c_uint32)]
+                ("timeout_ms", ctypes.c_uint32),
+                ("client_updated_layers", ctypes.POINTER(ctypes.c_uint32)),
+                ("num_client_updated_layers", ctypes.c_uint32)]
 
 
 def load():
@@ -109,13 +111,13 @@ class RankCtypesTest(unittest.TestCase):
             self.assertIn(needle, msg)
 
     def attach(self, manifest_hash):
-        opts = Options(1, self.sock.encode(), None, 0, manifest_hash, -1, 10000)
+        opts = Options(2, self.sock.encode(), None, 0, manifest_hash, -1, 10000)
         h = ctypes.c_void_p()
         return self.lib.slidedp_rank_attach(ctypes.byref(opts), ctypes.byref(h)), h
 
     def test_step_and_bad_input(self):
         lib = self.lib
-        self.assertEqual(lib.slidedp_rank_abi_version(), 1)
+        self.assertEqual(lib.slidedp_rank_abi_version(), 2)
         buf = ctypes.create_string_buffer(17)
         self.assertEqual(lib.slidedp_manifest_hash_from_hf_config(b"tiny", buf, 17), OK)
         good_hash = buf.value
@@ -239,7 +241,7 @@ class RankCtypesTest(unittest.TestCase):
             self.expect(INVALID_ARGUMENT, lib.slidedp_gpu_plane_create(h, None, ctypes.byref(vp())),
                         "options")
         popts = (ctypes.c_uint32 * 16)()
-        popts[0] = 1  # abi_version; device 0, defaults, replicated, no comm
+        popts[0] = 2  # abi_version; device 0, defaults, replicated, no comm
         plane = vp()
         rc = lib.slidedp_gpu_plane_create(h, ctypes.cast(popts, vp), ctypes.byref(plane))
         if not has_gpu:

@@ -78,9 +78,10 @@ def run_slidedp(cfg, batch, seq, steps, warmup, ckpt, **opts):
             model = transformers.AutoModelForCausalLM.from_config(cfg)
         model.train()
         dev = opts.get("device", "cuda")
-        kw = {k: opts[k] for k in ("window_slots", "prefetch", "h2d_chunk_bytes") if k in opts}
+        kw = {k: opts[k] for k in ("window_slots", "prefetch", "h2d_chunk_bytes", "nondecoder",
+                                   "max_pending_grads") if k in opts}
         model, opt = slidedp.attach(model, hostd=sock, device=dev,
-                                    checkpointing="full" if ckpt else "none",
+                                    checkpointing=opts.get("checkpointing", "full" if ckpt else "none"),
                                     verify_init=False, **kw)
         x = opts["input_ids"].to(dev)
         cuda = dev != "cpu" and torch.cuda.is_available()

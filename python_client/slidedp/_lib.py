@@ -10,7 +10,7 @@ import glob
 import os
 import threading
 
-ABI_VERSION = 1
+ABI_VERSION = 2
 DTYPE_FP32, DTYPE_BF16 = 1, 2
 
 STATUS_NAMES = {
@@ -36,14 +36,17 @@ class RankOptions(ctypes.Structure):
     _fields_ = [("abi_version", ctypes.c_uint32), ("socket", ctypes.c_char_p),
                 ("job_id", ctypes.c_char_p), ("rank", ctypes.c_uint32),
                 ("manifest_hash", ctypes.c_char_p), ("gpu", ctypes.c_int32),
-                ("timeout_ms", ctypes.c_uint32)]
+                ("timeout_ms", ctypes.c_uint32),
+                ("client_updated_layers", ctypes.POINTER(ctypes.c_uint32)),
+                ("num_client_updated_layers", ctypes.c_uint32)]
 
 
 class GpuPlaneOptions(ctypes.Structure):
     _fields_ = [("abi_version", ctypes.c_uint32), ("device", ctypes.c_int32),
                 ("window_slots", ctypes.c_uint32), ("h2d_chunk_bytes", ctypes.c_uint64),
                 ("param_route", ctypes.c_int32), ("reduce_in_fp32", ctypes.c_int32),
-                ("nccl_comm", ctypes.c_void_p)]
+                ("nccl_comm", ctypes.c_void_p),
+                ("staging_buffers", ctypes.c_uint32)]
 
 
 class GpuPlaneStats(ctypes.Structure):
@@ -60,6 +63,8 @@ _PROTOS = {
     "slidedp_rank_abi_version": ([], ctypes.c_int),
     "slidedp_rank_last_error": ([], ctypes.c_char_p),
     "slidedp_manifest_hash_from_hf_config": ([ctypes.c_char_p, ctypes.c_char_p, _SZ], ctypes.c_int),
+    "slidedp_manifest_layers_from_hf_config": ([ctypes.c_char_p, ctypes.c_char_p, _SZ],
+                                               ctypes.c_int),
     "slidedp_rank_attach": ([ctypes.POINTER(RankOptions), ctypes.POINTER(_P)], ctypes.c_int),
     "slidedp_rank_detach": ([_P], ctypes.c_int),
     "slidedp_rank_num_layers": ([_P, ctypes.POINTER(_U32)], ctypes.c_int),
@@ -73,6 +78,7 @@ _PROTOS = {
     "slidedp_rank_grad_dtype": ([_P, ctypes.POINTER(ctypes.c_int)], ctypes.c_int),
     "slidedp_rank_grad_route": ([_P, ctypes.POINTER(ctypes.c_int)], ctypes.c_int),
     "slidedp_rank_next_step": ([_P, ctypes.POINTER(_U64)], ctypes.c_int),
+    "slidedp_rank_optimizer_json": ([_P, _U64, ctypes.c_char_p, ctypes.c_size_t], ctypes.c_int),
     "slidedp_rank_begin_step": ([_P, _U64, _U32], ctypes.c_int),
     "slidedp_rank_fetch_params": ([_P, _U32, _U64, _P, _SZ, _U32, ctypes.POINTER(_U64)],
                                   ctypes.c_int),

@@ -22,13 +22,23 @@ Per-layer policy (the schedule of one step):
                   saved parameter views are replaced by tokens and fetched again when autograd
                   unpacks them); released when their gradient has been pushed.
   embeddings, final norm, lm_head
-                  fetched at their first use and kept in the window until their gradient has
-                  been pushed (host-side update, like every layer). Their update is the last of
-                  the step; the next forward starts with it (see README: step-boundary drain).
+                  nondecoder="resident" (the default on CUDA): on the device for the whole run,
+                  updated there at opt.step() (FP32 master and moments on the device, hostd's
+                  AdamW settings and LR; hostd skips them: client_updated_layers).
+                  nondecoder="host": fetched at their first use and kept in the window until
+                  their gradient has been pushed (host-side update, like every layer). Their
+                  update is the last of the step and the next forward starts with it, so it is
+                  exposed (see README: step-boundary drain).
+
+The step boundary (GPU backend): opt.step() does not wait for hostd. The plane keeps pushing the
+step's gradients (the layer the next forward needs first goes first) while the next step begins;
+hostd accepts the next BeginStep while it still applies the last updates, and each layer's fetch
+waits for its own update (the version gate), so the next forward overlaps the AdamW tail.
 """
 import collections
 import contextlib
 import logging
+import math
 import os
 import time
 import weakref
@@ -37,7 +47,7 @@ import torch
 import torch.utils.checkpoint
 
 from ._lib import DTYPE_BF16, DTYPE_FP32, SlideDPError
-from .rank import GpuPlane, RankHandle, manifest_hash
+from .rank import GpuPlane, RankHandle, manifest_hash, manifest_layers
 
 log = logging.getLogger("slidedp")
 
@@ -51,7 +61,7 @@ def _in_backward():
 
 class _Layer:
     __slots__ = ("info", "index", "kind", "params", "numel", "flat", "slot", "ready", "grads_seen",
-                 "nparams", "acc", "pushed")
+                 "nparams", "acc", "pushed", "resident", "master", "m", "v")
 
     def __init__(self, info, kind, params):
         self.info, self.index, self.kind = info, info.index, kind
@@ -64,6 +74,10 @@ class _Layer:
         self.grads_seen = 0
         self.acc = None  # gradient buffer (FP32 accumulator when accumulating)
         self.pushed = False
+        # nondecoder="resident": kept on the compute device for the whole run, updated there
+        # (FP32 master and moments on the device, AdamW with hostd's settings).
+        self.resident = False
+        self.master = self.m = self.v = None
 
 
 class _CpuBackend:
@@ -168,8 +182,12 @@ class _GpuBackend:
     def __init__(self, rank, device, window_slots, h2d_chunk_bytes, param_route, max_pending,
                  time_waits):
         self.rank, self.device = rank, device
+        # A staging buffer per pending gradient (GPU-reduction route): backward may run ahead
+        # of hostd by max_pending layers.
         self.plane = GpuPlane(rank, device.index or 0, window_slots=window_slots,
-                              h2d_chunk_bytes=h2d_chunk_bytes, param_route=param_route)
+                              h2d_chunk_bytes=h2d_chunk_bytes, param_route=param_route,
+                              staging_buffers=max(2, min(64, max_pending)),
+                              reduce_in_fp32=rank.world_size > 1)
         self.window_slots, self.slot_elems = self.plane.window_slots, self.plane.slot_elems
         self.window = None  # one bf16 tensor over every slot (set at the first fetch)
         self.window_ptr = 0
@@ -228,8 +246,10 @@ class _GpuBackend:
             self.plane.wait_grad_consumed(idx, s.cuda_stream)
 
     def end_step(self):
-        self.plane.wait_pushes()
-        self.pending.clear()
+        # Nothing to wait for: the plane keeps pushing this step's gradients while the next
+        # step's forward runs; each layer's fetch waits for its update (the version gate), and a
+        # failed push is reported by the next push or by close().
+        pass
 
     def slot_wait_seconds(self):
         total = 0.0
@@ -248,9 +268,12 @@ class _GpuBackend:
                 and t.untyped_storage().data_ptr() == self.window_ptr)
 
     def close(self):
-        self.pending.clear()
-        self.window = None
-        self.plane.destroy()
+        try:
+            self.plane.wait_pushes()
+        finally:
+            self.pending.clear()
+            self.window = None
+            self.plane.destroy()
 
 
 class _Token:
@@ -320,6 +343,7 @@ class StreamedRuntime:
         self.begin_wait = 0.0
         self.nparams = sum(l.numel for l in layers.values())
         self.counters0 = backend.counters()
+        self.resident_skipped = 0
 
     # ---- parameters in and out of the window ----
     def _version(self):
@@ -347,6 +371,8 @@ class StreamedRuntime:
 
     def _acquire(self, idx):
         layer = self.layers[idx]
+        if layer.resident:
+            return layer
         if layer.flat is None:
             self._fetch(layer)
         self.backend.make_ready(layer)
@@ -371,6 +397,8 @@ class StreamedRuntime:
                 self._fetch(layer)
 
     def _release(self, layer):
+        if layer.resident:
+            return
         self._dematerialize(layer)
         self.backend.release(layer)
 
@@ -388,7 +416,8 @@ class StreamedRuntime:
     def _on_model_post(self, module, args, kwargs, out):
         if not torch.is_grad_enabled():
             for layer in self.layers.values():
-                if layer.flat is not None and not self._kept_for_backward(layer):
+                if layer.flat is not None and not layer.resident and \
+                        not self._kept_for_backward(layer):
                     self._release(layer)
         elif self.backend.windowed:
             # Backward starts from the end of the decoder stack: fetch its first layers now.
@@ -468,13 +497,13 @@ class StreamedRuntime:
         accum = self.s["accumulation_steps"]
         last = self.micro == accum - 1
         if layer.acc is None:
-            if accum > 1:
+            if accum > 1 or layer.resident:
                 layer.acc = torch.zeros(layer.numel, dtype=torch.float32, device=g.device)
             else:
                 layer.acc = torch.empty(layer.numel, dtype=_TORCH_DTYPE[self.rank.grad_dtype],
                                         device=g.device)
         seg = layer.acc[ti.offset: ti.offset + ti.numel].view(ti.shape)
-        if accum > 1:
+        if accum > 1 and self.micro > 0:
             seg.add_(g)
         else:
             seg.copy_(g)
@@ -487,7 +516,9 @@ class StreamedRuntime:
         # and a slot still held then would fail the release's version check.
         if layer.flat is not None:
             self._release(layer)
-        if last:
+        if last and layer.resident:
+            layer.pushed = True  # updated on the device at opt.step()
+        elif last:
             grad = layer.acc
             if grad.dtype != _TORCH_DTYPE[self.rank.grad_dtype] and self.backend.name != "gpu":
                 grad = grad.to(_TORCH_DTYPE[self.rank.grad_dtype])
@@ -520,11 +551,19 @@ class StreamedRuntime:
             self.hooks.append(module.register_forward_hook(
                 lambda m, a, o, idxs=idxs: self._on_post(idxs, m, a, o)))
 
+    def _recomputes(self, pos):
+        """Whether decoder layer `pos` (forward order) is checkpointed: all ("full"), none, or
+        a fraction f of them spread evenly (layer pos when floor((pos+1)f) > floor(pos f))."""
+        c = self.s["checkpointing"]
+        if c in ("full", "none"):
+            return c == "full"
+        return math.floor((pos + 1) * c + 1e-9) > math.floor(pos * c + 1e-9)
+
     def _wrap_decoder(self, module, idxs):
         # The fetch runs inside the checkpointed function, so the recompute in backward fetches
         # the layer again (module hooks may run outside a checkpoint, depending on the library).
         orig = module.forward
-        ckpt = self.s["checkpointing"] == "full"
+        ckpt = self._recomputes(self.dec_pos[idxs[0]])
 
         def run(recompute, *args, **kwargs):
             self._on_pre(idxs, module, args)
@@ -549,6 +588,59 @@ class StreamedRuntime:
         else:
             yield
 
+    # ---- resident layers (nondecoder="resident") ----
+    def make_resident(self, layer, fp32, compute_dtype, device):
+        if fp32 is None:  # hostd's BF16 copy (meta model)
+            buf = torch.empty(layer.numel, dtype=torch.bfloat16)
+            self.rank.fetch_params(layer.index, self.next_step - 1, buf.data_ptr(), layer.numel * 2)
+            fp32 = buf.float()
+        layer.master = fp32.to(device=device, dtype=torch.float32)
+        layer.m = torch.zeros_like(layer.master)
+        layer.v = torch.zeros_like(layer.master)
+        # The compute copy holds the master rounded to BF16, as hostd's streamed layers do.
+        layer.flat = layer.master.to(torch.bfloat16).to(compute_dtype)
+        self._materialize(layer)
+
+    def _resident_update(self):
+        """AdamW of the resident layers on the device, with hostd's settings for this step."""
+        res = [l for l in self.layers.values() if l.resident]
+        if not res:
+            return 0.0
+        t0 = time.perf_counter()
+        o = self.rank.optimizer(self.step)
+        if o["clip"] == "global":
+            raise SlideDPError(9, "nondecoder='resident' cannot follow hostd's global gradient "
+                                  "clipping (the norm spans hostd's layers); use clip per_layer "
+                                  "or none, or nondecoder='host'")
+        world = self.rank.world_size
+        nd = set(o["no_decay_tensors"]) if o["no_decay_norms_and_biases"] else set()
+        lr, b1, b2, eps, t = o["lr"], o["beta1"], o["beta2"], o["eps"], self.step
+        for l in res:
+            g = l.acc
+            if world > 1:
+                torch.distributed.all_reduce(g, group=self.s["process_group"])
+            if o["scale_by_world_size"] and world > 1:
+                g.mul_(1.0 / world)
+            norm = float(g.norm())
+            if not math.isfinite(norm):
+                self.resident_skipped += 1  # as hostd: a non-finite gradient skips the update
+                continue
+            if o["clip"] == "per_layer" and o["max_grad_norm"] > 0:
+                coef = min(1.0, o["max_grad_norm"] / (norm + 1e-6))
+                if coef < 1.0:
+                    g.mul_(coef)
+            for _, ti in l.params:
+                wd = 0.0 if ti.name in nd else o["weight_decay"]
+                if wd:
+                    l.master[ti.offset: ti.offset + ti.numel].mul_(1.0 - lr * wd)
+            l.m.mul_(b1).add_(g, alpha=1.0 - b1)
+            l.v.mul_(b2).addcmul_(g, g, value=1.0 - b2)
+            denom = (l.v.sqrt() / math.sqrt(1.0 - b2 ** t)).add_(eps)
+            l.master.addcdiv_(l.m, denom, value=-lr / (1.0 - b1 ** t))
+            l.flat.copy_(l.master if l.flat.dtype == torch.bfloat16
+                         else l.master.to(torch.bfloat16))
+        return time.perf_counter() - t0
+
     # ---- the step boundary ----
     def end_step(self):
         accum = self.s["accumulation_steps"]
@@ -557,6 +649,7 @@ class StreamedRuntime:
             raise SlideDPError(9, f"opt.step() after {self.micro} complete backward passes; "
                                   f"accumulation_steps={accum} (layers without a pushed gradient: "
                                   f"{missing[:4]}{'...' if len(missing) > 4 else ''})")
+        resident_s = self._resident_update()
         t0 = time.perf_counter()
         self.backend.end_step()
         push_wait = time.perf_counter() - t0
@@ -573,6 +666,7 @@ class StreamedRuntime:
             "model_tflops_per_gpu": flops / dt / world / 1e12 if dt > 0 else 0.0,
             "param_fetch_wait_s": self.fetch_wait, "param_slot_wait_s": slot_wait,
             "step_begin_wait_s": self.begin_wait, "push_wait_s": push_wait,
+            "resident_update_s": resident_s,
             "h2d_bytes": c["h2d_bytes"] - self.counters0["h2d_bytes"],
             "d2h_bytes": c["d2h_bytes"] - self.counters0["d2h_bytes"],
         }
@@ -600,6 +694,11 @@ class StreamedRuntime:
             version = self.step - 1
         out = {}
         for l in self.layers.values():
+            if l.resident:  # the device copy (hostd's is the initial one)
+                buf = l.flat.detach().to("cpu", torch.bfloat16)
+                for _, ti in l.params:
+                    out[ti.name] = buf[ti.offset: ti.offset + ti.numel].view(ti.shape).clone()
+                continue
             buf = torch.empty(l.numel, dtype=torch.bfloat16)
             self.rank.fetch_params(l.index, version, buf.data_ptr(), l.numel * 2)
             for _, ti in l.params:
@@ -677,26 +776,39 @@ def attach(model, hostd="unix:///run/slidedp/hostd.sock", *, rank=None, world_si
            device=None, job_id="", checkpointing="full", offload_ratio=0.0,
            accumulation_steps=1, window_slots=None, prefetch=2, h2d_chunk_bytes=0,
            param_route="replicated", max_pending_grads=4, verify_init=True, time_waits=True,
-           timeout_s=60, cpu_window=False, lib=None):
+           timeout_s=60, cpu_window=False, nondecoder="auto", process_group=None, lib=None):
     """Attaches an HF causal LM to hostd's job and returns (model, optimizer).
 
     hostd: its socket ("unix:///path" or a path). rank/world_size: default RANK/WORLD_SIZE
     (torchrun) or the initialized process group, else 0/hostd's. device: default cuda when CUDA
     is available, else cpu; "cuda" without an index means cuda:(LOCAL_RANK mod GPU count).
-    checkpointing: "full" (recompute each decoder layer in backward) or "none". accumulation_steps: micro-batches per optimizer step (gradients
+    checkpointing: "full" (recompute each decoder layer in backward), "none", or a fraction in
+    [0, 1] of the decoder layers to recompute, spread evenly (the rest keep their activations). accumulation_steps: micro-batches per optimizer step (gradients
     accumulated in FP32 on the compute device). window_slots: GPU window size in layers (default:
     enough for the schedule). prefetch: decoder layers fetched ahead. verify_init: on a fresh job,
     check that hostd's weights equal the model's (BF16-rounded) before training them.
     cpu_window: on the CPU, compute in BF16 through a window of slots like the GPU's (tests the
     GPU schedule without a GPU).
+    nondecoder: where embeddings, final norm and lm_head are updated. "resident": they stay on the
+    compute device and are updated there (FP32 master and moments on the device, AdamW with
+    hostd's settings and LR schedule; with several ranks their gradients are all-reduced over
+    `process_group`, default the initialized one, else one made from torchrun's environment);
+    hostd does not update them (client_updated_layers), so its copy of them stays at the initial
+    weights and fetch_state_dict() returns the device copy. Needs a fresh job. "host": streamed
+    and updated by hostd like the decoder layers; their update is the last of the step, and the
+    next forward starts by waiting for it. "auto": "resident" on CUDA with one rank or an
+    initialized process group and a fresh job, else "host". See README (step-boundary drain).
     """
     cfg = getattr(model, "config", None)
     family = getattr(cfg, "model_type", None)
     if family not in SUPPORTED_FAMILIES:
         raise SlideDPError(3, f"model_type: {family!r} is not supported; expected one of "
                               f"{', '.join(SUPPORTED_FAMILIES)}")
-    if checkpointing not in ("full", "none"):
-        raise SlideDPError(3, f"checkpointing: {checkpointing!r}, expected 'full' or 'none'")
+    if checkpointing not in ("full", "none") and not (
+            isinstance(checkpointing, (int, float)) and not isinstance(checkpointing, bool)
+            and 0.0 <= checkpointing <= 1.0):
+        raise SlideDPError(3, f"checkpointing: {checkpointing!r}, expected 'full', 'none' or the "
+                              "fraction of decoder layers to recompute, in [0, 1]")
     if not (0.0 <= float(offload_ratio) <= 1.0):
         raise SlideDPError(3, f"offload_ratio: {offload_ratio}, expected a value in [0, 1]")
     if offload_ratio != 0.0:
@@ -721,9 +833,18 @@ def attach(model, hostd="unix:///run/slidedp/hostd.sock", *, rank=None, world_si
 
     cfg_json = cfg.to_json_string()
     mhash = manifest_hash(cfg_json, lib)
+    if nondecoder not in ("auto", "resident", "host"):
+        raise SlideDPError(3, f"nondecoder: {nondecoder!r}, expected 'auto', 'resident' or 'host'")
+    pg_ready = torch.distributed.is_available() and torch.distributed.is_initialized()
+    if nondecoder == "auto":
+        nondecoder = "resident" if device.type == "cuda" and (
+            (world_size or 1) == 1 or pg_ready or process_group is not None) else "host"
+    resident = [i for i, l in enumerate(manifest_layers(cfg_json, lib))
+                if l["kind"] != "LAYER_KIND_DECODER"] if nondecoder == "resident" else []
     try:
         rh = RankHandle(hostd, rank, mhash, gpu=device.index if device.type == "cuda" else -1,
-                        job_id=job_id, timeout_ms=int(timeout_s * 1000), lib=lib)
+                        job_id=job_id, timeout_ms=int(timeout_s * 1000), lib=lib,
+                        client_updated_layers=resident)
     except SlideDPError as e:
         if e.code == 9 and "manifest" in str(e):
             raise SlideDPError(9, f"the model does not match hostd's job: this model "
@@ -736,7 +857,23 @@ def attach(model, hostd="unix:///run/slidedp/hostd.sock", *, rank=None, world_si
             raise SlideDPError(9, f"world_size: this job runs {world_size} ranks "
                                   f"(WORLD_SIZE/process group) but hostd's job expects "
                                   f"{rh.world_size}; start hostd with --world_size {world_size}")
+        if resident and rh.next_step != 1:
+            raise SlideDPError(9, f"nondecoder='resident': hostd's job is at step {rh.next_step}; "
+                                  "resident layers start from a fresh job (their optimizer state "
+                                  "would be lost). Pass nondecoder='host' to resume this job")
+        pg = process_group
+        if resident and rh.world_size > 1 and pg is None:
+            if not pg_ready:
+                if "MASTER_ADDR" not in os.environ:
+                    raise SlideDPError(3, "nondecoder='resident' with several ranks all-reduces "
+                                          "their gradients: initialize a torch.distributed process "
+                                          "group, run under torchrun, or pass nondecoder='host'")
+                torch.distributed.init_process_group(
+                    "nccl" if device.type == "cuda" else "gloo", rank=rank,
+                    world_size=rh.world_size)
+            pg = torch.distributed.group.WORLD
         return _attach(model, base, rh, device, mhash, dict(
+            resident=set(resident), process_group=pg,
             checkpointing=checkpointing, accumulation_steps=int(accumulation_steps),
             window_slots=window_slots, prefetch=int(prefetch), h2d_chunk_bytes=h2d_chunk_bytes,
             param_route=param_route, max_pending=int(max_pending_grads), verify=verify_init,
@@ -807,6 +944,15 @@ def _attach(model, base, rh, device, mhash, s):
     decoders = [l.index for l in sorted(layers.values(), key=lambda l: l.index)
                 if l.kind == "decoder"]
 
+    # Resident layers start from the model's own weights in FP32 when it has them (a fresh job,
+    # checked against hostd's below), else from hostd's BF16 copy.
+    own_fp32 = {}
+    for idx in s["resident"]:
+        layers[idx].resident = True
+        if not meta:
+            own_fp32[idx] = torch.cat([p.detach().reshape(-1).float().cpu()
+                                       for p, _ in layers[idx].params])
+
     # Checksums of the model's own weights, to verify hostd's on a fresh job.
     verify = s["verify"] and rh.next_step == 1 and not meta
     sums = {l.index: _layer_checksums([p for p, _ in l.params]) for l in layers.values()} \
@@ -834,7 +980,7 @@ def _attach(model, base, rh, device, mhash, s):
     elif getattr(model, "is_gradient_checkpointing", False):
         model.gradient_checkpointing_disable()
 
-    nondec = sum(1 for l in layers.values() if l.kind != "decoder")
+    nondec = sum(1 for l in layers.values() if l.kind != "decoder" and not l.resident)
     needed = nondec + 2 * s["prefetch"] + 2
     minimum = nondec + s["prefetch"] + 2
     if s["window_slots"] is not None and (device.type == "cuda" or s["cpu_window"]) and \
@@ -860,6 +1006,8 @@ def _attach(model, base, rh, device, mhash, s):
     rt.install()
     if sums is not None:
         _verify_init(rt, layers, sums)
+    for idx in sorted(s["resident"]):
+        rt.make_resident(layers[idx], own_fp32.get(idx), compute_dtype, device)
     model.slidedp = rt
     # Route the model's forward through the saved-tensor hooks (window views become tokens).
     orig_forward = model.forward
@@ -873,9 +1021,10 @@ def _attach(model, base, rh, device, mhash, s):
             return orig_forward(*args, **kwargs)
     model.forward = forward
     log.info("rank %d attached to %s: %d layers (%d decoder), %.2fB parameters, %s backend, "
-             "window %d slots, grad route %s, checkpointing %s", rh.rank, rh.socket, len(layers),
-             len(decoders), rt.nparams / 1e9, backend.name, slots, rh.grad_route,
-             s["checkpointing"])
+             "window %d slots, grad route %s, checkpointing %s, non-decoder layers %s",
+             rh.rank, rh.socket, len(layers), len(decoders), rt.nparams / 1e9, backend.name,
+             slots, rh.grad_route, s["checkpointing"],
+             "resident (device AdamW)" if s["resident"] else "host-updated")
     return model, SlideDPOptimizer(rt)
 
 

@@ -1,6 +1,7 @@
 """Thin object wrappers over the C ABI: a rank's attachment to hostd (RankHandle) and its GPU data
 plane (GpuPlane). Everything that fails raises SlideDPError with hostd's status code and message."""
 import ctypes
+import json
 
 from . import _lib
 from ._lib import SlideDPError, check
@@ -34,18 +35,30 @@ class LayerInfo:
         self.index, self.name, self.numel, self.tensors = index, name, numel, tensors
 
 
+def manifest_layers(config_json, lib=None):
+    """hostd's layers for an HF config (JSON text): [{"name", "kind"}], index = position."""
+    lib = lib or _lib.load()
+    buf = ctypes.create_string_buffer(1 << 20)
+    check(lib, lib.slidedp_manifest_layers_from_hf_config(config_json.encode(), buf, len(buf)),
+          "the model's layers")
+    return json.loads(buf.value.decode())
+
+
 class RankHandle:
     """One rank attached to hostd's job (slidedp_rank_attach)."""
 
-    def __init__(self, socket, rank, manifest_hash, gpu=-1, job_id="", timeout_ms=30000, lib=None):
+    def __init__(self, socket, rank, manifest_hash, gpu=-1, job_id="", timeout_ms=30000, lib=None,
+                 client_updated_layers=()):
         if socket.startswith("unix://"):
             socket = socket[len("unix://"):]
         elif socket.startswith("unix:"):
             socket = socket[len("unix:"):]
         self.lib = lib or _lib.load()
         self.socket = socket
+        cul = sorted(int(l) for l in client_updated_layers)
+        cul_arr = (ctypes.c_uint32 * max(1, len(cul)))(*cul)
         opts = _lib.RankOptions(_lib.ABI_VERSION, socket.encode(), job_id.encode(), rank,
-                                manifest_hash.encode(), gpu, timeout_ms)
+                                manifest_hash.encode(), gpu, timeout_ms, cul_arr, len(cul))
         h = ctypes.c_void_p()
         check(self.lib, self.lib.slidedp_rank_attach(ctypes.byref(opts), ctypes.byref(h)),
               f"attaching rank {rank} to hostd at {socket}")
@@ -62,6 +75,14 @@ class RankHandle:
         check(self.lib, self.lib.slidedp_rank_next_step(self.h, ctypes.byref(s)), "next step")
         self.next_step = s.value
         self.layers = [self._layer(i) for i in range(self.num_layers)]
+
+    def optimizer(self, step):
+        """hostd's optimizer settings with the LR of update `step` (a dict; see
+        slidedp_rank_optimizer_json)."""
+        buf = ctypes.create_string_buffer(1 << 20)
+        check(self.lib, self.lib.slidedp_rank_optimizer_json(self.h, step, buf, len(buf)),
+              "optimizer settings")
+        return json.loads(buf.value.decode())
 
     def _u32(self, fn):
         v = ctypes.c_uint32()
@@ -120,7 +141,7 @@ class GpuPlane:
     raw cudaStream_t values (torch.cuda.Stream.cuda_stream)."""
 
     def __init__(self, rank, device, window_slots=0, h2d_chunk_bytes=0, param_route="replicated",
-                 reduce_in_fp32=True, nccl_comm=None):
+                 reduce_in_fp32=True, nccl_comm=None, staging_buffers=0):
         self.lib, self.rank = rank.lib, rank
         if not self.lib.slidedp_rank_has_gpu():
             raise SlideDPError(12, "this libslidedp_rank was built without CUDA; use a CUDA build "
@@ -130,7 +151,8 @@ class GpuPlane:
             raise SlideDPError(3, f"param_route: {param_route!r}, expected 'replicated' or "
                                   "'sharded'")
         opts = _lib.GpuPlaneOptions(_lib.ABI_VERSION, device, window_slots, h2d_chunk_bytes,
-                                    routes[param_route], 1 if reduce_in_fp32 else 0, nccl_comm)
+                                    routes[param_route], 1 if reduce_in_fp32 else 0, nccl_comm,
+                                    staging_buffers)
         p = ctypes.c_void_p()
         check(self.lib, self.lib.slidedp_gpu_plane_create(rank.h, ctypes.byref(opts),
                                                           ctypes.byref(p)),
