@@ -713,6 +713,33 @@ class OverlapTest : public ::testing::TestWithParam<v1::GradRoute> {
     b.set_step(step);
     return e.BeginStep(b).status();
   }
+  // The state checksum after steps 1 and 2 run strictly in sequence on a fresh job: step 1 with
+  // layer 0's gradient g01 (in process), then layer 1's g11 -- or, when `abort_step1`, aborted
+  // after layer 0's update -- then step 2 (g12, g02). The reference for the overlapped runs.
+  uint64_t SequentialReference(const std::vector<float>& g01, const std::vector<float>& g11,
+                               const std::vector<float>& g02, const std::vector<float>& g12,
+                               bool abort_step1) {
+    auto ref = Start();
+    EXPECT_NE(ref, nullptr);
+    if (ref == nullptr) return 0;
+    rankclient::RankClient& rc = *ref->client;
+    EXPECT_TRUE(rc.BeginStep(1, kWait).ok());
+    EXPECT_TRUE(Submit(*ref->engine, 0, 1, g01).ok());
+    if (abort_step1) {
+      EXPECT_TRUE(ref->engine->WaitLayerVersion(0, 1, kWait).ok());
+      v1::AbortStepRequest ab;
+      ab.set_step(1);
+      EXPECT_TRUE(ref->engine->AbortStep(ab).ok());
+    } else {
+      EXPECT_TRUE(Push(rc, 1, 1, g11).ok());
+      EXPECT_TRUE(rc.WaitStep(1, kWait).ok());
+    }
+    EXPECT_TRUE(rc.BeginStep(2, kWait).ok());
+    EXPECT_TRUE(Push(rc, 2, 1, g12).ok());
+    EXPECT_TRUE(Push(rc, 2, 0, g02).ok());
+    EXPECT_TRUE(rc.WaitStep(2, kWait).ok());
+    return ref->engine->state()->Checksum();
+  }
 };
 
 TEST_P(OverlapTest, NextStepBeginsAtOnceAndRunsWhenThePreviousCompletes) {
@@ -725,21 +752,8 @@ TEST_P(OverlapTest, NextStepBeginsAtOnceAndRunsWhenThePreviousCompletes) {
   const std::vector<float> g02 = Grad(0, 2, c.layer_numel(0)), g12 = Grad(1, 2, c.layer_numel(1));
 
   // The same two steps strictly in sequence: the reference.
-  uint64_t reference = 0;
-  {
-    auto ref = Start();
-    ASSERT_NE(ref, nullptr);
-    rankclient::RankClient& rc = *ref->client;
-    ASSERT_TRUE(rc.BeginStep(1, kWait).ok());
-    ASSERT_TRUE(Submit(*ref->engine, 0, 1, g01).ok());
-    ASSERT_TRUE(Push(rc, 1, 1, g11).ok());
-    ASSERT_TRUE(rc.WaitStep(1, kWait).ok());
-    ASSERT_TRUE(rc.BeginStep(2, kWait).ok());
-    ASSERT_TRUE(Push(rc, 2, 1, g12).ok());
-    ASSERT_TRUE(Push(rc, 2, 0, g02).ok());
-    ASSERT_TRUE(rc.WaitStep(2, kWait).ok());
-    reference = ref->engine->state()->Checksum();
-  }
+  const uint64_t reference = SequentialReference(g01, g11, g02, g12, /*abort_step1=*/false);
+  ASSERT_FALSE(HasFailure());
 
   WorkerGate gate;
   ASSERT_TRUE(c.BeginStep(1, kWait).ok());
@@ -812,23 +826,8 @@ TEST_P(OverlapTest, AbortWithAQueuedStepDropsItAndItsRankBeginsItAgain) {
   const std::vector<float> bad12 = Grad(1, 2, c.layer_numel(1), 50);
 
   // Reference: step 1 aborted after layer 0's update (layer 1 untouched), then step 2.
-  uint64_t reference = 0;
-  {
-    auto ref = Start();
-    ASSERT_NE(ref, nullptr);
-    rankclient::RankClient& rc = *ref->client;
-    ASSERT_TRUE(rc.BeginStep(1, kWait).ok());
-    ASSERT_TRUE(Submit(*ref->engine, 0, 1, g01).ok());
-    ASSERT_TRUE(ref->engine->WaitLayerVersion(0, 1, kWait).ok());
-    v1::AbortStepRequest ab;
-    ab.set_step(1);
-    ASSERT_TRUE(ref->engine->AbortStep(ab).ok());
-    ASSERT_TRUE(rc.BeginStep(2, kWait).ok());
-    ASSERT_TRUE(Push(rc, 2, 1, g12).ok());
-    ASSERT_TRUE(Push(rc, 2, 0, g02).ok());
-    ASSERT_TRUE(rc.WaitStep(2, kWait).ok());
-    reference = ref->engine->state()->Checksum();
-  }
+  const uint64_t reference = SequentialReference(g01, g11, g02, g12, /*abort_step1=*/true);
+  ASSERT_FALSE(HasFailure());
 
   WorkerGate gate;
   ASSERT_TRUE(c.BeginStep(1, kWait).ok());

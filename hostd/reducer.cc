@@ -63,8 +63,9 @@ GradientReducer::GradientReducer(TrainingState* state, ThreadPool* pool, UpdateW
   for (const LayerInfo& l : state_->layers()) max_numel = std::max(max_numel, l.numel);
   absl::MutexLock lock(&mu_);
   buffer_elems_ = max_numel;
+  // Allocated at first use: the streamed route (and layers the ranks update themselves) may
+  // never need them, and each is as large as the largest layer (the embeddings: GBs).
   buffers_.resize(2);
-  for (Buffer& b : buffers_) b.data.resize(max_numel);
   reduced_.assign(state_->num_layers(), false);
   cursors_.assign(options_.pushing_ranks.size(), Cursor{});
   lent_.assign(size_t{state_->world_size()} * state_->grad_ring_slots(), false);
@@ -557,6 +558,7 @@ int GradientReducer::AcquireBufferLocked() {
   for (size_t b = 0; b < buffers_.size(); ++b) {
     if (!buffers_[b].busy) {
       buffers_[b].busy = true;
+      if (buffers_[b].data.empty()) buffers_[b].data.resize(buffer_elems_);
       return static_cast<int>(b);
     }
   }

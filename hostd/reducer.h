@@ -28,10 +28,10 @@
 //     the worker (UpdateWorker::Submit), exactly as on the kSum route. Never tears.
 // Results are bit-identical either way when the stats sent equal what the worker would compute.
 //
-// Bounded memory: two layer-sized FP32 buffers. While both are held by the update worker the
-// reducer stops consuming, the rings fill, and the ranks block (backpressure). A streamed layer
-// needs no buffer; its ranks are held back by their ring slots, which stay full until the worker
-// has updated them.
+// Bounded memory: two layer-sized FP32 buffers (allocated at first use). While both are held by the
+// update worker the reducer stops consuming, the rings fill, and the ranks block (backpressure). A
+// streamed layer needs no buffer; its ranks are held back by their ring slots, which stay full
+// until the worker has updated them.
 //
 // Overlap of steps: while step t is armed, a rank that has pushed all of t may already push step
 // t + 1 (the engine accepts BeginStep(t + 1) while t's updates run). Such a chunk can only show

@@ -71,16 +71,34 @@ int slidedp_rank_abi_version(void) { return SLIDEDP_RANK_ABI_VERSION; }
 
 const char* slidedp_rank_last_error(void) { return last_error.c_str(); }
 
+namespace {
+
+// Copies `text` and a NUL into out; RESOURCE_EXHAUSTED naming the size needed.
+int CopyOut(const std::string& text, char* out, size_t out_len, absl::string_view what) {
+  if (text.size() + 1 > out_len) {
+    return Fail(absl::StatusCode::kResourceExhausted,
+                absl::StrCat("out_len: ", out_len, ", ", what, " needs ", text.size() + 1));
+  }
+  std::memcpy(out, text.c_str(), text.size() + 1);
+  return Ok();
+}
+
+// The model of an HF config.json text, or of a built-in ("tiny", "tiny-tied").
+absl::StatusOr<slidedp::hostd::LoadedModel> ModelOfConfig(const std::string& text) {
+  return (text == "tiny" || text == "tiny-tied")
+             ? slidedp::hostd::LoadModel(text)
+             : slidedp::hostd::ManifestFromHfConfig(text, "config.json");
+}
+
+}  // namespace
+
 int slidedp_manifest_hash_from_hf_config(const char* config, char* out, size_t out_len) {
   return Guard([&] {
     if (config == nullptr || out == nullptr || out_len < 17) {
       return Fail(absl::StatusCode::kInvalidArgument,
                   "config and out must be non-null and out_len >= 17");
     }
-    const std::string text(config);
-    auto model = (text == "tiny" || text == "tiny-tied")
-                     ? slidedp::hostd::LoadModel(text)
-                     : slidedp::hostd::ManifestFromHfConfig(text, "config.json");
+    auto model = ModelOfConfig(config);
     if (!model.ok()) return Fail(model.status());
     const std::string hex =
         slidedp::hostd::ManifestHashHex(slidedp::hostd::ManifestHash(model->manifest));
@@ -94,22 +112,13 @@ int slidedp_manifest_layers_from_hf_config(const char* config, char* out, size_t
     if (config == nullptr || out == nullptr) {
       return Fail(absl::StatusCode::kInvalidArgument, "config and out must be non-null");
     }
-    const std::string text(config);
-    auto model = (text == "tiny" || text == "tiny-tied")
-                     ? slidedp::hostd::LoadModel(text)
-                     : slidedp::hostd::ManifestFromHfConfig(text, "config.json");
+    auto model = ModelOfConfig(config);
     if (!model.ok()) return Fail(model.status());
     nlohmann::json layers = nlohmann::json::array();
     for (const auto& l : model->manifest.layers()) {
       layers.push_back({{"name", l.name()}, {"kind", slidedp::v1::LayerKind_Name(l.kind())}});
     }
-    const std::string dumped = layers.dump();
-    if (dumped.size() + 1 > out_len) {
-      return Fail(absl::StatusCode::kResourceExhausted,
-                  absl::StrCat("out_len: ", out_len, ", the layer list needs ", dumped.size() + 1));
-    }
-    std::memcpy(out, dumped.c_str(), dumped.size() + 1);
-    return Ok();
+    return CopyOut(layers.dump(), out, out_len, "the layer list");
   });
 }
 
@@ -265,12 +274,24 @@ int slidedp_rank_optimizer_json(const slidedp_rank* h, uint64_t step, char* out,
     }
   }
   j["no_decay_tensors"] = std::move(names);
-  const std::string text = j.dump();
-  if (text.size() + 1 > out_len) {
-    return Fail(absl::StatusCode::kResourceExhausted,
-                absl::StrCat("out_len: ", out_len, ", the optimizer JSON needs ", text.size() + 1));
+  return CopyOut(j.dump(), out, out_len, "the optimizer JSON");
+}
+
+int slidedp_rank_client_layer_view(const slidedp_rank* h, uint32_t layer, const void** ptr,
+                                   uint64_t* bytes) {
+  SLIDEDP_CHECK_HANDLE(h);
+  if (ptr == nullptr || bytes == nullptr) {
+    return Fail(absl::StatusCode::kInvalidArgument, "ptr and bytes must be non-null");
   }
-  std::memcpy(out, text.c_str(), text.size() + 1);
+  if (absl::Status s = h->client->CheckLayer(layer); !s.ok()) return Fail(s);
+  if (!h->client->client_updated(layer)) {
+    return Fail(absl::StatusCode::kFailedPrecondition,
+                absl::StrCat("layer ", layer,
+                             " is updated by hostd, so its parameters change "
+                             "under a view; use slidedp_rank_fetch_params"));
+  }
+  *ptr = h->client->LayerParams(layer);
+  *bytes = h->client->layer_numel(layer) * 2;
   return Ok();
 }
 

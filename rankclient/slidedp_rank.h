@@ -101,6 +101,12 @@ SLIDEDP_RANK_EXPORT int slidedp_rank_begin_step(slidedp_rank* h, uint64_t step,
 SLIDEDP_RANK_EXPORT int slidedp_rank_fetch_params(slidedp_rank* h, uint32_t layer, uint64_t version,
                                                   void* dst, size_t dst_bytes, uint32_t timeout_ms,
                                                   uint64_t* got_version);
+/* A read-only view of a client-updated layer's BF16 parameters in hostd's mapping (*bytes =
+ * numel * 2), valid while the handle is attached. hostd never writes those layers, so the view
+ * is stable; for any other layer this is FAILED_PRECONDITION (use slidedp_rank_fetch_params,
+ * which waits for a version). Lets a rank load a resident layer without a host copy. */
+SLIDEDP_RANK_EXPORT int slidedp_rank_client_layer_view(const slidedp_rank* h, uint32_t layer,
+                                                       const void** ptr, uint64_t* bytes);
 SLIDEDP_RANK_EXPORT int slidedp_rank_push_grad(slidedp_rank* h, uint64_t step, uint32_t layer,
                                                const void* grad, int dtype, size_t bytes,
                                                uint32_t timeout_ms);

@@ -238,7 +238,9 @@ class PythonClientTest(unittest.TestCase):
         self.check_against_reference(d, per_rank, dump, "2 ranks, resident non-decoder layers")
         # hostd ran every step without those layers' gradients (embedding 0, norm 5, lm_head 6
         # of the 4-layer model) and says so.
-        ctl = os.path.join(os.path.dirname(os.path.dirname(HOSTD)), "slidedpctl", "slidedpctl")
+        ctl = os.path.join(os.path.dirname(HOSTD), "slidedpctl")  # a bundle's bin/
+        if not os.path.exists(ctl):  # the build tree
+            ctl = os.path.join(os.path.dirname(os.path.dirname(HOSTD)), "slidedpctl", "slidedpctl")
         out = subprocess.run([ctl, "--socket", sock, "status", "--json"], capture_output=True,
                              text=True, check=True).stdout
         job = json.loads(out)["job"]

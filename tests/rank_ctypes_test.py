@@ -25,7 +25,7 @@ HOSTD = SLIDEDPCTL = LIBPATH = None
 
 OK, INVALID_ARGUMENT, NOT_FOUND, ALREADY_EXISTS = 0, 3, 5, 6
 UNIMPLEMENTED = 12
-FAILED_PRECONDITION, OUT_OF_RANGE = 9, 11
+FAILED_PRECONDITION, OUT_OF_RANGE, RESOURCE_EXHAUSTED = 9, 11, 8
 FP32, BF16 = 1, 2
 
 
@@ -67,6 +67,13 @@ def load():
         ctypes.c_void_p, ctypes.c_uint32, ctypes.c_uint32, ctypes.c_char_p, ctypes.c_size_t,
         ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_uint64),
         ctypes.POINTER(ctypes.c_int64), ctypes.c_uint32, ctypes.POINTER(ctypes.c_uint32)]
+    lib.slidedp_rank_optimizer_json.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_char_p,
+                                                ctypes.c_size_t]
+    lib.slidedp_manifest_layers_from_hf_config.argtypes = [ctypes.c_char_p, ctypes.c_char_p,
+                                                           ctypes.c_size_t]
+    lib.slidedp_rank_client_layer_view.argtypes = [
+        ctypes.c_void_p, ctypes.c_uint32, ctypes.POINTER(ctypes.c_void_p),
+        ctypes.POINTER(ctypes.c_uint64)]
     return lib
 
 
@@ -141,6 +148,26 @@ class RankCtypesTest(unittest.TestCase):
         self.assertEqual(route.value, 1)  # CPU reduction, hostd's default
         self.expect(OK, lib.slidedp_rank_next_step(h, ctypes.byref(nxt)))
         self.assertEqual(nxt.value, 1)  # a fresh job
+        # hostd's optimizer for layers a rank updates itself, the manifest's layer list, and
+        # views of client-updated layers only.
+        js = ctypes.create_string_buffer(1 << 16)
+        self.expect(OK, lib.slidedp_rank_optimizer_json(h, 1, js, len(js)))
+        opt = json.loads(js.value.decode())
+        self.assertEqual(opt["clip"], "none")
+        self.assertGreater(opt["lr"], 0)
+        self.assertIn("model.norm.weight", opt["no_decay_tensors"])
+        self.assertNotIn("lm_head.weight", opt["no_decay_tensors"])
+        self.expect(RESOURCE_EXHAUSTED, lib.slidedp_rank_optimizer_json(h, 1, js, 8), "needs")
+        self.expect(OK, lib.slidedp_manifest_layers_from_hf_config(b"tiny", js, len(js)))
+        kinds = [l["kind"] for l in json.loads(js.value.decode())]
+        self.assertEqual(len(kinds), 7)
+        self.assertEqual(kinds[0], "LAYER_KIND_EMBEDDING")
+        self.assertEqual(kinds[-1], "LAYER_KIND_LM_HEAD")
+        ptr, nbytes = ctypes.c_void_p(), ctypes.c_uint64()
+        self.expect(FAILED_PRECONDITION, lib.slidedp_rank_client_layer_view(
+            h, 0, ctypes.byref(ptr), ctypes.byref(nbytes)), "updated by hostd")
+        self.expect(INVALID_ARGUMENT, lib.slidedp_rank_client_layer_view(h, 0, None, None),
+                    "non-null")
         self.expect(INVALID_ARGUMENT, lib.slidedp_rank_grad_route(h, None), "route")
         self.expect(INVALID_ARGUMENT, lib.slidedp_rank_next_step(h, None), "step")
         self.expect(INVALID_ARGUMENT, lib.slidedp_rank_next_step(None, ctypes.byref(nxt)),

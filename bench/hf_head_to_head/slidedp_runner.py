@@ -105,9 +105,11 @@ def run_slidedp(cfg, batch, seq, steps, warmup, ckpt, **opts):
         out = {"step_times": times, "loss": float(loss), "hostd_start_s": round(hostd_start_s, 2),
                "hostd_cmd": " ".join(cmd)}
         keys = ["param_fetch_wait_s", "param_slot_wait_s", "step_begin_wait_s", "push_wait_s",
-                "h2d_bytes", "d2h_bytes"]
+                "resident_update_s", "h2d_bytes", "d2h_bytes"]
         out["breakdown_median"] = {k: sorted(s[k] for s in per_step)[len(per_step) // 2]
                                    for k in keys}
+        # Where the version gate held the last step's forward: (layer, seconds, ms into step).
+        out["last_step_fetch_waits"] = per_step[-1].get("param_fetch_waits", [])
         rt = model.slidedp
         if cuda:
             free, total = torch.cuda.mem_get_info()

@@ -78,6 +78,8 @@ _PROTOS = {
     "slidedp_rank_grad_dtype": ([_P, ctypes.POINTER(ctypes.c_int)], ctypes.c_int),
     "slidedp_rank_grad_route": ([_P, ctypes.POINTER(ctypes.c_int)], ctypes.c_int),
     "slidedp_rank_next_step": ([_P, ctypes.POINTER(_U64)], ctypes.c_int),
+    "slidedp_rank_client_layer_view": ([_P, _U32, ctypes.POINTER(ctypes.c_void_p),
+                                        ctypes.POINTER(_U64)], ctypes.c_int),
     "slidedp_rank_optimizer_json": ([_P, _U64, ctypes.c_char_p, ctypes.c_size_t], ctypes.c_int),
     "slidedp_rank_begin_step": ([_P, _U64, _U32], ctypes.c_int),
     "slidedp_rank_fetch_params": ([_P, _U32, _U64, _P, _SZ, _U32, ctypes.POINTER(_U64)],

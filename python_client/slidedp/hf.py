@@ -37,6 +37,7 @@ waits for its own update (the version gate), so the next forward overlaps the Ad
 """
 import collections
 import contextlib
+import ctypes
 import logging
 import math
 import os
@@ -340,6 +341,7 @@ class StreamedRuntime:
         self.seq = 0
         self.t_step0 = None
         self.fetch_wait = 0.0
+        self.fetch_waits = []
         self.begin_wait = 0.0
         self.nparams = sum(l.numel for l in layers.values())
         self.counters0 = backend.counters()
@@ -367,7 +369,12 @@ class StreamedRuntime:
                 raise SlideDPError(9, f"{e.message} (window_slots={self.s['window_slots']}; the schedule "
                                       f"needs about {self.s['slots_needed']})") from None
             raise
-        self.fetch_wait += time.perf_counter() - t0
+        dt = time.perf_counter() - t0
+        self.fetch_wait += dt
+        if dt > 1e-3 and self.s["time_waits"]:
+            # (layer, seconds, ms into the step): where the version gate held the forward.
+            self.fetch_waits.append((layer.index, round(dt, 4),
+                                     round((t0 - (self.t_step0 or t0)) * 1e3, 1)))
 
     def _acquire(self, idx):
         layer = self.layers[idx]
@@ -591,9 +598,12 @@ class StreamedRuntime:
     # ---- resident layers (nondecoder="resident") ----
     def make_resident(self, layer, fp32, compute_dtype, device):
         if fp32 is None:  # hostd's BF16 copy (meta model)
-            buf = torch.empty(layer.numel, dtype=torch.bfloat16)
-            self.rank.fetch_params(layer.index, self.next_step - 1, buf.data_ptr(), layer.numel * 2)
-            fp32 = buf.float()
+            # Straight from hostd's mapping to the device: no host copy.
+            ptr, nbytes = self.rank.client_layer_view(layer.index)
+            view = torch.frombuffer((ctypes.c_uint8 * nbytes).from_address(ptr),
+                                    dtype=torch.bfloat16)
+            fp32 = view.to(device).float()
+            del view
         layer.master = fp32.to(device=device, dtype=torch.float32)
         layer.m = torch.zeros_like(layer.master)
         layer.v = torch.zeros_like(layer.master)
@@ -665,6 +675,7 @@ class StreamedRuntime:
             "tokens_per_s": tokens / dt if dt > 0 else 0.0,
             "model_tflops_per_gpu": flops / dt / world / 1e12 if dt > 0 else 0.0,
             "param_fetch_wait_s": self.fetch_wait, "param_slot_wait_s": slot_wait,
+            "param_fetch_waits": self.fetch_waits,
             "step_begin_wait_s": self.begin_wait, "push_wait_s": push_wait,
             "resident_update_s": resident_s,
             "h2d_bytes": c["h2d_bytes"] - self.counters0["h2d_bytes"],
@@ -677,6 +688,7 @@ class StreamedRuntime:
         self.t_step0 = now
         self.tokens = 0
         self.fetch_wait = self.begin_wait = 0.0
+        self.fetch_waits = []
         log.info("step %d: %.3f s, %.0f tok/s, %.1f TFLOPS/GPU, param wait %.3f+%.3f s, "
                  "begin wait %.3f s, push wait %.3f s", stats["step"], dt, stats["tokens_per_s"],
                  stats["model_tflops_per_gpu"], stats["param_fetch_wait_s"], slot_wait,
@@ -950,7 +962,8 @@ def _attach(model, base, rh, device, mhash, s):
     for idx in s["resident"]:
         layers[idx].resident = True
         if not meta:
-            own_fp32[idx] = torch.cat([p.detach().reshape(-1).float().cpu()
+            # Straight to the compute device: no host copy of embeddings in FP32.
+            own_fp32[idx] = torch.cat([p.detach().reshape(-1).to(device, torch.float32)
                                        for p, _ in layers[idx].params])
 
     # Checksums of the model's own weights, to verify hostd's on a fresh job.
