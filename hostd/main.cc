@@ -1,7 +1,9 @@
 // hostd: the SlideDP host daemon. Owns the FP32 master weights and Adam state of one training
 // job in shared memory, runs the update worker and serves slidedp.v1.Control on a unix socket.
-// Runs in the foreground (systemd Type=notify later); SIGTERM/SIGINT stop it cleanly: health
-// NOT_SERVING, sessions told, the running step aborted, segments removed.
+// Runs in the foreground; under systemd (Type=notify, deploy/systemd) it reports STATUS while the
+// job's state is created, READY=1 once it serves, WATCHDOG=1 pings and STOPPING=1 (notify.h).
+// SIGTERM/SIGINT stop it cleanly: health NOT_SERVING, sessions told, the running step aborted,
+// segments removed.
 #include <signal.h>
 
 #include <cstdio>
@@ -10,8 +12,10 @@
 #include <map>
 #include <string>
 
+#include "absl/strings/str_cat.h"
 #include "hostd/config.h"
 #include "hostd/engine.h"
+#include "hostd/notify.h"
 #include "hostd/service.h"
 #include "spdlog/spdlog.h"
 
@@ -34,6 +38,7 @@ std::map<std::string, std::string> Environment() {
 int main(int argc, char** argv) {
   using slidedp::hostd::ControlServer;
   using slidedp::hostd::Engine;
+  using slidedp::hostd::ServiceNotifier;
 
   auto loaded = slidedp::hostd::LoadConfig(argc, argv, Environment());
   if (!loaded.ok()) {
@@ -60,9 +65,13 @@ int main(int argc, char** argv) {
   pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
   signal(SIGPIPE, SIG_IGN);
 
+  ServiceNotifier notifier;
+  notifier.Status(config.model == "none" ? "starting"
+                                         : "creating the job's state for " + config.model);
   auto engine = Engine::Create(config, loaded->entries);
   if (!engine.ok()) {
     spdlog::error("startup failed: {}", engine.status().ToString());
+    notifier.Status("startup failed: " + engine.status().ToString());
     return 1;
   }
   ControlServer::Options so;
@@ -72,15 +81,32 @@ int main(int argc, char** argv) {
   auto server = ControlServer::Start(engine->get(), so);
   if (!server.ok()) {
     spdlog::error("startup failed: {}", server.status().ToString());
+    notifier.Status("startup failed: " + server.status().ToString());
     (*engine)->Shutdown(/*remove_state=*/true);
     return 1;
   }
   spdlog::info("serving slidedp.v1.Control on unix:{}{}", config.socket,
                config.listen_tcp.empty() ? "" : " and " + config.listen_tcp);
+  Engine* e = engine->get();
+  // The probe takes the engine's lock (GetStatus): a stuck engine stops the watchdog pings.
+  auto probe = [e]() -> std::string {
+    auto st = e->GetStatus();
+    if (!st.ok()) return "status unavailable: " + st.status().ToString();
+    if (!st->has_job()) return "serving, no job";
+    const auto& j = st->job();
+    int attached = 0;
+    for (const auto& r : st->ranks()) attached += r.attached() ? 1 : 0;
+    return absl::StrCat("job ", j.job_id(), " (", j.model_name(), "): ", j.step(), " steps, ",
+                        j.step_state(), ", ", attached, "/", j.world_size(), " ranks attached");
+  };
+  notifier.Ready(probe());
+  notifier.Start(probe);
 
   int sig = 0;
   sigwait(&stop_signals, &sig);
   spdlog::info("received {}, stopping", sig == SIGTERM ? "SIGTERM" : "SIGINT");
+  notifier.Stopping();
+  notifier.Stop();
   (*engine)->Shutdown(/*remove_state=*/true);
   (*server)->Shutdown(2000);
   (*server)->Wait();

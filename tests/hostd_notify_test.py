@@ -1,0 +1,140 @@
+"""systemd's notify protocol without systemd, and deploy/install.sh into a staging root: a datagram socket stands in for the service manager
+(NOTIFY_SOCKET) and asks for a watchdog (WATCHDOG_USEC). hostd must send STATUS while it creates
+the job's state, READY=1 once its socket listens, WATCHDOG=1 pings with a status line naming the
+job, and STOPPING=1 on SIGTERM, then exit 0.
+
+    python3 tests/hostd_notify_test.py HOSTD
+"""
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import unittest
+
+HOSTD = None
+
+
+class NotifyTest(unittest.TestCase):
+    def test_ready_status_watchdog_stopping(self):
+        tmp = tempfile.mkdtemp(prefix="slidedp-notify-")
+        notify_path = os.path.join(tmp, "notify.sock")
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        listener.bind(notify_path)
+        listener.settimeout(0.5)
+        sock = os.path.join(tmp, "hostd.sock")
+        env = dict(os.environ, NOTIFY_SOCKET=notify_path, WATCHDOG_USEC="400000")
+        env.pop("WATCHDOG_PID", None)
+        log = open(os.path.join(tmp, "hostd.log"), "w+")
+        p = subprocess.Popen([HOSTD, "--model", "tiny", "--socket", sock, "--instance",
+                              f"nt{os.getpid()}", "--mlock", "best_effort", "--update_threads",
+                              "1"], env=env, stdout=log, stderr=subprocess.STDOUT)
+        messages = []
+
+        def drain(until, stop=None):
+            while time.time() < until:
+                try:
+                    messages.append(listener.recv(4096).decode())
+                except socket.timeout:
+                    continue
+                if stop and stop(messages[-1]):
+                    return True
+            return False
+
+        try:
+            self.assertTrue(drain(time.time() + 60, lambda m: "READY=1" in m),
+                            f"no READY=1: {messages}")
+            self.assertTrue(os.path.exists(sock), "READY before the control socket listens")
+            self.assertTrue(any(m.startswith("STATUS=creating the job's state") for m in
+                                messages), messages)
+            ready = next(m for m in messages if "READY=1" in m)
+            self.assertIn("STATUS=job ", ready)
+            # Half the watchdog interval: at least 3 pings in 1.2 s, each with the job's status.
+            n0 = len(messages)
+            drain(time.time() + 1.2)
+            pings = [m for m in messages[n0:] if "WATCHDOG=1" in m]
+            self.assertGreaterEqual(len(pings), 3, messages[n0:])
+            self.assertTrue(all("0 steps, idle, 0/1 ranks attached" in m for m in pings), pings)
+            p.send_signal(signal.SIGTERM)
+            self.assertTrue(drain(time.time() + 30, lambda m: "STOPPING=1" in m),
+                            f"no STOPPING=1: {messages[-3:]}")
+            self.assertEqual(p.wait(timeout=30), 0)
+        finally:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+            listener.close()
+            log.seek(0)
+            sys.stdout.write(log.read()[-2000:] if p.returncode else "")
+            log.close()
+
+    def test_no_notify_socket_is_silent(self):
+        """Without NOTIFY_SOCKET hostd runs as before (started by hand)."""
+        tmp = tempfile.mkdtemp(prefix="slidedp-notify-")
+        sock = os.path.join(tmp, "hostd.sock")
+        env = {k: v for k, v in os.environ.items() if k not in ("NOTIFY_SOCKET", "WATCHDOG_USEC")}
+        p = subprocess.Popen([HOSTD, "--model", "tiny", "--socket", sock, "--instance",
+                              f"nn{os.getpid()}", "--mlock", "best_effort", "--update_threads",
+                              "1"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+        deadline = time.time() + 60
+        while not os.path.exists(sock):
+            self.assertIsNone(p.poll(), "hostd exited")
+            self.assertLess(time.time(), deadline)
+            time.sleep(0.05)
+        p.send_signal(signal.SIGTERM)
+        self.assertEqual(p.wait(timeout=30), 0)
+
+    def test_install_into_a_staging_root(self):
+        """deploy/install.sh --root: the unit (Type=notify, watchdog, memlock, OOM score, user,
+        runtime directory) points at the installed hostd, the example config parses with it, and
+        a second install keeps an edited config."""
+        import configparser
+        import shutil
+        root_dir = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        tmp = tempfile.mkdtemp(prefix="slidedp-install-")
+        bundle = os.path.join(tmp, "bundle")
+        os.makedirs(os.path.join(bundle, "bin"))
+        shutil.copy(HOSTD, os.path.join(bundle, "bin", "hostd"))
+        stage = os.path.join(tmp, "root")
+        cmd = [os.path.join(root_dir, "deploy", "install.sh"), "--bundle", bundle, "--root",
+               stage, "--prefix", "/opt/sdp"]
+        r = subprocess.run(cmd, capture_output=True, text=True)
+        self.assertEqual(r.returncode, 0, r.stderr)
+        unit = configparser.ConfigParser(strict=False, interpolation=None)
+        unit.optionxform = str
+        unit.read(os.path.join(stage, "etc/systemd/system/slidedp-hostd.service"))
+        svc = unit["Service"]
+        self.assertEqual(svc["Type"], "notify")
+        self.assertEqual(svc["ExecStart"], "/opt/sdp/bin/hostd --config /etc/slidedp/hostd.toml")
+        self.assertTrue(os.access(os.path.join(stage, "opt/sdp/bin/hostd"), os.X_OK))
+        self.assertEqual(svc["User"], "slidedp")
+        self.assertEqual(svc["RuntimeDirectory"], "slidedp")
+        self.assertEqual(svc["LimitMEMLOCK"], "infinity")
+        self.assertLess(int(svc["OOMScoreAdjust"]), 0)
+        self.assertIn("WatchdogSec", svc)
+        conf = os.path.join(stage, "etc/slidedp/hostd.toml")
+        out = subprocess.run([HOSTD, "--config", conf, "--print-config"], capture_output=True,
+                             text=True, check=True).stdout
+        self.assertIn('socket = "/run/slidedp/hostd.sock"  # file', out)
+        with open(conf, "a") as f:
+            f.write("seed = 7\n")
+        r = subprocess.run(cmd, capture_output=True, text=True)
+        self.assertEqual(r.returncode, 0, r.stderr)
+        self.assertIn("kept the existing", r.stdout)
+        self.assertIn("seed = 7", open(conf).read())
+        # A bad config stops the install before anything is restarted.
+        with open(conf, "a") as f:
+            f.write("no_such_key = 1\n")
+        r = subprocess.run(cmd, capture_output=True, text=True)
+        self.assertNotEqual(r.returncode, 0)
+        self.assertIn("no_such_key", r.stdout + r.stderr)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) < 2:
+        print(__doc__)
+        sys.exit(2)
+    HOSTD = os.path.abspath(sys.argv.pop(1))
+    unittest.main(verbosity=2)
