@@ -327,6 +327,10 @@ class PythonClientTest(unittest.TestCase):
              "checkpointing: 'some'"),
             ("accumulation 0", lambda: model_of("qwen3-tiny"), {"accumulation_steps": 0},
              "accumulation_steps: 0"),
+            ("recompute fraction out of range", lambda: model_of("qwen3-tiny"),
+             {"checkpointing": 1.5}, "checkpointing: 1.5"),
+            ("unknown nondecoder policy", lambda: model_of("qwen3-tiny"),
+             {"nondecoder": "gpu"}, "nondecoder: 'gpu', expected 'auto', 'resident' or 'host'"),
             ("weights differ from hostd's", lambda: train_hf.build_model(
                 train_hf.make_config("qwen3-tiny"), 7), {}, "hostd's weights differ"),
         ]

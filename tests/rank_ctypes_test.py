@@ -122,6 +122,37 @@ class RankCtypesTest(unittest.TestCase):
         h = ctypes.c_void_p()
         return self.lib.slidedp_rank_attach(ctypes.byref(opts), ctypes.byref(h)), h
 
+    def test_client_updated_layers(self):
+        """A rank that updates layers itself: a bad index is refused at attach; its gradient push
+        for such a layer is refused naming it; a view of it reads hostd's (untouched) BF16."""
+        lib = self.lib
+        buf = ctypes.create_string_buffer(17)
+        self.assertEqual(lib.slidedp_manifest_hash_from_hf_config(b"tiny", buf, 17), OK)
+        bad = (ctypes.c_uint32 * 1)(7)
+        opts = Options(2, self.sock.encode(), None, 0, buf.value, -1, 10000, bad, 1)
+        h = ctypes.c_void_p()
+        self.expect(OUT_OF_RANGE, lib.slidedp_rank_attach(ctypes.byref(opts), ctypes.byref(h)),
+                    "client_updated_layers: layer 7 does not exist")
+        opts = Options(2, self.sock.encode(), None, 0, buf.value, -1, 10000, None, 2)
+        self.expect(INVALID_ARGUMENT, lib.slidedp_rank_attach(ctypes.byref(opts), ctypes.byref(h)),
+                    "client_updated_layers: null")
+        layers = (ctypes.c_uint32 * 2)(6, 0)
+        opts = Options(2, self.sock.encode(), None, 0, buf.value, -1, 10000, layers, 2)
+        self.expect(OK, lib.slidedp_rank_attach(ctypes.byref(opts), ctypes.byref(h)))
+        numel = ctypes.c_uint64()
+        self.expect(OK, lib.slidedp_rank_layer_numel(h, 0, ctypes.byref(numel)))
+        ptr, nbytes = ctypes.c_void_p(), ctypes.c_uint64()
+        self.expect(OK, lib.slidedp_rank_client_layer_view(h, 0, ctypes.byref(ptr),
+                                                           ctypes.byref(nbytes)))
+        self.assertEqual(nbytes.value, 2 * numel.value)
+        copy = (ctypes.c_uint16 * numel.value)()
+        self.expect(OK, lib.slidedp_rank_fetch_params(h, 0, 0, copy, 2 * numel.value, 1000, None))
+        self.assertEqual(ctypes.string_at(ptr.value, nbytes.value), bytes(copy))
+        self.expect(OK, lib.slidedp_rank_begin_step(h, 1, 10000))
+        self.expect(FAILED_PRECONDITION, lib.slidedp_rank_push_grad(
+            h, 1, 0, copy, BF16, 2 * numel.value, 1000), "updated by the ranks themselves")
+        self.expect(OK, lib.slidedp_rank_detach(h))
+
     def test_step_and_bad_input(self):
         lib = self.lib
         self.assertEqual(lib.slidedp_rank_abi_version(), 2)

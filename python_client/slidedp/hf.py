@@ -626,12 +626,14 @@ class StreamedRuntime:
         nd = set(o["no_decay_tensors"]) if o["no_decay_norms_and_biases"] else set()
         lr, b1, b2, eps, t = o["lr"], o["beta1"], o["beta2"], o["eps"], self.step
         for l in res:
-            g = l.acc
             if world > 1:
-                torch.distributed.all_reduce(g, group=self.s["process_group"])
-            if o["scale_by_world_size"] and world > 1:
-                g.mul_(1.0 / world)
-            norm = float(g.norm())
+                torch.distributed.all_reduce(l.acc, group=self.s["process_group"])
+                if o["scale_by_world_size"]:
+                    l.acc.mul_(1.0 / world)
+        # One device-to-host sync for every layer's norm.
+        norms = torch.stack([l.acc.norm() for l in res]).tolist()
+        for l, norm in zip(res, norms):
+            g = l.acc
             if not math.isfinite(norm):
                 self.resident_skipped += 1  # as hostd: a non-finite gradient skips the update
                 continue
@@ -678,6 +680,7 @@ class StreamedRuntime:
             "param_fetch_waits": self.fetch_waits,
             "step_begin_wait_s": self.begin_wait, "push_wait_s": push_wait,
             "resident_update_s": resident_s,
+            "resident_updates_skipped": self.resident_skipped,  # non-finite, since attach
             "h2d_bytes": c["h2d_bytes"] - self.counters0["h2d_bytes"],
             "d2h_bytes": c["d2h_bytes"] - self.counters0["d2h_bytes"],
         }
