@@ -606,14 +606,14 @@ void Engine::BumpAbortEpochLocked() {
   }
 }
 
-void Engine::DropQueuedStepLocked(absl::string_view reason) {
+void Engine::DropQueuedStepLocked(absl::string_view reason, bool bump_epoch) {
   const uint64_t step = queued_step_;
   if (step == 0) return;
   spdlog::warn("dropping queued step {}: {}", step, std::string(reason));
   queued_step_ = 0;
   // The step's ranks may be anywhere in it; only the abort epoch reaches all of them. Nothing of
   // the running step is disturbed: its pushers are done (the callers make sure of that).
-  BumpAbortEpochLocked();
+  if (bump_epoch) BumpAbortEpochLocked();
   reducer_->DiscardStep(step);
   slidedp::v1::SessionEvent ev;
   ev.mutable_step_aborted()->set_step(step);
@@ -627,21 +627,13 @@ void Engine::AbortStepLocked(uint64_t step, absl::string_view reason) {
   running_step_ = 0;
   next_step_ = step + 1;
   step_state_ = "aborted";
-  const uint64_t queued = std::exchange(queued_step_, 0);
   shm::ControlBlock& cb = state_->control();
   shm::Atomic(cb.step_state).store(static_cast<uint64_t>(shm::StepState::kAborting));
   BumpAbortEpochLocked();
   reducer_->Abort(step);
-  if (queued != 0) {
-    // The queued step goes with it (the same epoch bump tells its ranks); it is the next step.
-    spdlog::warn("queued step {} is dropped with step {}", queued, step);
-    reducer_->DiscardStep(queued);
-    slidedp::v1::SessionEvent ev;
-    ev.mutable_step_aborted()->set_step(queued);
-    ev.mutable_step_aborted()->set_reason(
-        absl::StrCat("queued behind step ", step, ", which was aborted: ", reason));
-    BroadcastLocked(ev);
-  }
+  // The queued step goes with it (the same epoch bump tells its ranks); it is the next step.
+  DropQueuedStepLocked(absl::StrCat("queued behind step ", step, ", which was aborted: ", reason),
+                       /*bump_epoch=*/false);
   seals_pending_++;
   worker_->AbortStep(step, [this, step] {
     // On the worker thread, after every update of the step has finished or been dropped: the

@@ -142,8 +142,10 @@ class Engine {
   void AbortStepLocked(uint64_t step, absl::string_view reason) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // `step` becomes the running step: the reducer is armed, the ranks are told.
   void StartStepLocked(uint64_t step) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Drops queued_step_ (see the overview); only once the running step's pushes are all in.
-  void DropQueuedStepLocked(absl::string_view reason) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Drops queued_step_ (see the overview); only once the running step's pushes are all in, or
+  // with the running step's abort, which has bumped the abort epoch already (`bump_epoch` false).
+  void DropQueuedStepLocked(absl::string_view reason, bool bump_epoch = true)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Bumps abort_epoch and wakes every rank waiting on a futex of the control segment.
   void BumpAbortEpochLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Waits (bounded) until the worker has sealed every aborted step.
