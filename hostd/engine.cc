@@ -457,6 +457,23 @@ absl::StatusOr<slidedp::v1::AttachRankResponse> Engine::AttachRank(
       spdlog::info("the ranks update layers {} themselves; hostd's copy of them is not updated",
                    LayerList(client_layers_));
     }
+    if (steps_completed_ == 0 && next_step_ == 1) {
+      // A fresh job: the moments of layers hostd will not update are zeros and stay so; their
+      // memory goes back to the system (the ranks hold those layers' moments).
+      size_t released = 0;
+      for (uint32_t l : client_layers_) {
+        absl::StatusOr<size_t> n = state_->ReleaseMoments(l);
+        if (!n.ok()) {
+          spdlog::warn("keeping the moments of layer {}: {}", l, n.status().ToString());
+          continue;
+        }
+        released += *n;
+      }
+      if (released > 0) {
+        spdlog::info("released {:.2f} GiB of Adam moments of the ranks' layers",
+                     released / 1073741824.0);
+      }
+    }
   }
   e = RankEntry{};
   e.attached = true;
@@ -586,6 +603,7 @@ void Engine::StartStepLocked(uint64_t step) {
   step_state_ = "running";
   layers_done_in_step_ = 0;
   step_update_seconds_ = 0;
+  step_layers_.clear();
   reducer_->Arm(step);
   shm::Atomic(state_->control().step_state)
       .store(static_cast<uint64_t>(shm::StepState::kRunning), std::memory_order_release);
@@ -732,6 +750,7 @@ void Engine::OnLayerDone(const LayerUpdateResult& r) {
     return;
   }
   step_update_seconds_ += r.seconds;
+  step_layers_.push_back(r);
   if (++layers_done_in_step_ + client_layers_.size() == state_->num_layers()) {
     for (uint32_t l : client_layers_) {
       if (state_->committed_version(l) < running_step_) state_->PublishLayer(l, running_step_);
@@ -739,6 +758,8 @@ void Engine::OnLayerDone(const LayerUpdateResult& r) {
     if (!client_layers_.empty()) client_layers_trained_ = true;
     steps_completed_++;
     last_step_update_seconds_ = step_update_seconds_;
+    last_step_layers_ = std::move(step_layers_);
+    step_layers_.clear();
     next_step_ = running_step_ + 1;
     running_step_ = 0;
     step_state_ = "idle";
@@ -761,6 +782,7 @@ absl::Status Engine::SubmitGradient(uint32_t layer, uint64_t step, GradientRef g
       step_state_ = "running";
       layers_done_in_step_ = 0;
       step_update_seconds_ = 0;
+      step_layers_.clear();
     }
     if (step != running_step_) {
       return absl::OutOfRangeError(absl::StrCat(
@@ -981,6 +1003,20 @@ absl::StatusOr<slidedp::v1::GetStatsResponse> Engine::GetStats(
   resp.set_layer_updates_streamed(ws.layer_updates_streamed);
   resp.set_layer_updates_buffered(ws.layer_updates_buffered);
   resp.set_layers_torn(ws.layers_torn);
+  double first = 0, last = 0, idle = 0;
+  for (const LayerUpdateResult& l : last_step_layers_) {
+    slidedp::v1::LayerUpdateSpan* span = resp.add_last_step_layers();
+    span->set_layer(l.layer);
+    span->set_start_s(l.start_s);
+    span->set_end_s(l.end_s);
+    span->set_busy_seconds(l.seconds);
+    span->set_idle_before_seconds(l.idle_before_seconds);
+    if (first == 0 || l.start_s < first) first = l.start_s;
+    last = std::max(last, l.end_s);
+    idle += l.idle_before_seconds;
+  }
+  resp.set_last_step_span_seconds(last - first);
+  resp.set_last_step_idle_seconds(idle);
   return resp;
 }
 

@@ -193,6 +193,8 @@ class Engine {
   uint64_t steps_aborted_ ABSL_GUARDED_BY(mu_) = 0;
   double last_step_update_seconds_ ABSL_GUARDED_BY(mu_) = 0;
   double step_update_seconds_ ABSL_GUARDED_BY(mu_) = 0;
+  std::vector<LayerUpdateResult> step_layers_ ABSL_GUARDED_BY(mu_);       // of running_step_
+  std::vector<LayerUpdateResult> last_step_layers_ ABSL_GUARDED_BY(mu_);  // last completed
   uint32_t seals_pending_ ABSL_GUARDED_BY(mu_) = 0;  // aborted steps the worker has not sealed
   std::vector<uint32_t> torn_layers_ ABSL_GUARDED_BY(mu_);
   std::vector<double> last_grad_norm_ ABSL_GUARDED_BY(mu_);

@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <numbers>
+#include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
@@ -15,6 +16,10 @@ namespace slidedp::hostd {
 namespace {
 
 using Clock = std::chrono::steady_clock;
+
+double MonotonicSeconds(Clock::time_point t) {
+  return std::chrono::duration<double>(t.time_since_epoch()).count();
+}
 
 double Seconds(Clock::time_point a, Clock::time_point b) {
   return std::chrono::duration<double>(b - a).count();
@@ -348,6 +353,8 @@ LayerUpdateResult UpdateWorker::UpdateLayerNow(uint32_t layer, uint64_t step,
   LayerUpdateResult r;
   r.layer = layer;
   r.step = step;
+  r.start_s = MonotonicSeconds(t0);
+  r.idle_before_seconds = std::exchange(idle_pending_, 0.0);
   const double scale =
       cfg.scale_by_world_size() ? 1.0 / static_cast<double>(state_->world_size()) : 1.0;
   const kernels::GradStats stats = precomputed != nullptr ? *precomputed : LayerStats(grad);
@@ -369,7 +376,9 @@ LayerUpdateResult UpdateWorker::UpdateLayerNow(uint32_t layer, uint64_t step,
     r.applied = true;
   }
   state_->PublishLayer(layer, step);
-  r.seconds = Seconds(t0, Clock::now());
+  const auto t1 = Clock::now();
+  r.seconds = Seconds(t0, t1);
+  r.end_s = MonotonicSeconds(t1);
   absl::MutexLock lock(&mu_);
   if (r.applied) {
     stats_.layer_updates++;
@@ -463,10 +472,14 @@ void UpdateWorker::ApplyStreamRange(Item& item) {
     std::abort();
   }
   Stream& s = it->second;
+  s.result.idle_before_seconds += std::exchange(idle_pending_, 0.0);
   if (!s.skip) {
     // pending_version marks the layer as being written from its first range on: an abort after
     // this point leaves the layer torn, which the version words must show.
-    if (s.ranges_applied == 0) state_->BeginLayerWrite(item.layer, item.step);
+    if (s.ranges_applied == 0) {
+      state_->BeginLayerWrite(item.layer, item.step);
+      s.result.start_s = MonotonicSeconds(t0);
+    }
     ApplyRange(item.layer, s.scalars, item.grad.data, item.grad.type, item.offset,
                item.offset + item.grad.numel);
     s.ranges_applied++;
@@ -504,7 +517,10 @@ void UpdateWorker::ApplyStreamRange(Item& item) {
     stats_.last_layer_seconds = r.seconds;
   }
   state_->PublishLayer(item.layer, item.step);
-  r.seconds += Seconds(t1, Clock::now());
+  const auto t2 = Clock::now();
+  r.seconds += Seconds(t1, t2);
+  if (r.start_s == 0) r.start_s = MonotonicSeconds(t0);  // skipped: no range was applied
+  r.end_s = MonotonicSeconds(t2);
   if (done) done(r);
 }
 
@@ -516,12 +532,16 @@ void UpdateWorker::Run() {
   for (;;) {
     std::vector<Item> batch;
     bool global = false;
+    const auto wait0 = Clock::now();
+    bool waited = false;
     {
       absl::MutexLock lock(&mu_);
+      waited = queue_.empty();
       mu_.Await(absl::Condition(
           +[](UpdateWorker* w)
                ABSL_EXCLUSIVE_LOCKS_REQUIRED(w->mu_) { return w->stopping_ || !w->queue_.empty(); },
           this));
+      if (waited) idle_pending_ += Seconds(wait0, Clock::now());
       if (queue_.empty()) return;  // stopping and drained
       Item item = std::move(queue_.front());
       queue_.pop_front();

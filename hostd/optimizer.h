@@ -84,6 +84,12 @@ struct LayerUpdateResult {
   double grad_norm = 0;  // of the scaled (averaged) gradient; NaN when non-finite
   double clip_coef = 1;
   double seconds = 0;  // stats + update
+  // When the worker began and finished this layer (steady_clock = CLOCK_MONOTONIC seconds, the
+  // clock the ranks' time.monotonic()/perf_counter() read), and how long it sat with nothing to
+  // do before this layer's pieces (its first range, or the whole layer): the pipeline's bubbles.
+  double start_s = 0;
+  double end_s = 0;
+  double idle_before_seconds = 0;
 };
 
 struct UpdateStats {
@@ -237,8 +243,11 @@ class UpdateWorker {
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   UpdateStats stats_ ABSL_GUARDED_BY(mu_);
   std::map<uint32_t, Stream> streams_;  // by layer; worker thread only
-  std::thread thread_;                  // started by Start, joined by Stop
-  std::vector<double> block_sums_;      // scratch of the update thread
+  // Time the worker waited on an empty queue since it last applied anything; handed to the
+  // next layer it works on (LayerUpdateResult::idle_before_seconds). Worker thread only.
+  double idle_pending_ = 0;
+  std::thread thread_;              // started by Start, joined by Stop
+  std::vector<double> block_sums_;  // scratch of the update thread
 };
 
 }  // namespace slidedp::hostd

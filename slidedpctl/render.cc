@@ -148,7 +148,9 @@ Table StatsTable(const v1::GetStatsResponse& stats) {
   const ordered_json fields = ProtoToJson(stats);
   for (const auto& [key, value] : fields.items()) {
     std::string text;
-    if (value.is_string()) {
+    if (value.is_array()) {  // per-layer spans: too long for a table
+      text = absl::StrCat(value.size(), " entries (--json lists them)");
+    } else if (value.is_string()) {
       text = value.get<std::string>();
     } else if (value.is_number_float()) {
       text = absl::StrFormat("%.6g", value.get<double>());

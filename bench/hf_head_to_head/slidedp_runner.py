@@ -89,9 +89,11 @@ def run_slidedp(cfg, batch, seq, steps, warmup, ckpt, **opts):
             torch.cuda.reset_peak_memory_stats()
         times, per_step, loss = [], [], None
         mark = opts.get("mark_phase")
+        step_starts = []  # time.monotonic() at each step's start: hostd's update spans use it
         for i in range(warmup + steps):
             if i == 0 and mark:
                 mark("train")
+            step_starts.append(time.monotonic())
             t = time.perf_counter()
             loss = model(input_ids=x, labels=x).loss
             loss.backward()
@@ -124,7 +126,26 @@ def run_slidedp(cfg, batch, seq, steps, warmup, ckpt, **opts):
         r = subprocess.run([ctl_bin, "--socket", sock, "stats", "--json"], capture_output=True,
                            text=True, timeout=30)
         if r.returncode == 0:
-            out["hostd_stats"] = json.loads(r.stdout)
+            stats = json.loads(r.stdout)
+            spans = stats.pop("last_step_layers", [])
+            out["hostd_stats"] = stats
+            # hostd's update pipeline of the last step it completed (its updates overlap the next
+            # step's forward), on this process's clock: ms from that step's start, with the next
+            # step's start for reference. [layer, start, end, busy ms, idle ms before/within]
+            done = int(stats.get("steps_completed", 0))
+            if spans and 1 <= done <= len(step_starts):
+                t0 = step_starts[done - 1]
+                out["update_trace"] = {
+                    "step": done,
+                    "next_step_start_ms": (round((step_starts[done] - t0) * 1e3, 1)
+                                           if done < len(step_starts) else None),
+                    "span_s": stats.get("last_step_span_seconds"),
+                    "idle_s": stats.get("last_step_idle_seconds"),
+                    "layers": [[s_.get("layer", 0), round((s_["start_s"] - t0) * 1e3, 1),
+                                round((s_["end_s"] - t0) * 1e3, 1),
+                                round(s_.get("busy_seconds", 0) * 1e3, 1),
+                                round(s_.get("idle_before_seconds", 0) * 1e3, 1)]
+                               for s_ in spans]}
         return out
     finally:
         if opt is not None:
