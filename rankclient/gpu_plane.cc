@@ -93,6 +93,7 @@ struct WindowSlot {
   bool free_recorded = false;
   uint32_t layer = 0;
   uint64_t version = 0;
+  bool valid = false;  // holds `layer` at `version` (a fetch filled it; none has begun since)
 };
 
 struct GpuDataPlane::Impl {
@@ -444,6 +445,21 @@ absl::StatusOr<GpuDataPlane::Slot> GpuDataPlane::Fetch(uint32_t layer, uint64_t 
                      " is updated by the ranks themselves "
                      "(client_updated_layers) and has no window slot; read it with FetchParams"));
   }
+  // A free slot that still holds this layer at this version -- the recompute in backward of a
+  // layer the forward fetched, when the window has room for them all -- is taken as it is.
+  for (uint32_t i = 0; i < m.slots.size(); ++i) {
+    WindowSlot& c = m.slots[i];
+    if (!c.held && c.valid && c.layer == layer && c.version == version) {
+      RETURN_IF_ERROR(client_->CheckLayerVersion(layer, version));
+      c.held = true;
+      {
+        std::lock_guard<std::mutex> l(m.mu);
+        m.stats.window_hits++;
+      }
+      return Slot{i, layer, version, m.window + uint64_t{i} * slot_elems_,
+                  client_->layer_numel(layer)};
+    }
+  }
   // The first free slot from the rotation cursor: in a plain forward/backward rotation that is
   // the least recently used one; a caller that keeps some layers longer (e.g. embeddings for the
   // whole step) still gets the others.
@@ -471,6 +487,7 @@ absl::StatusOr<GpuDataPlane::Slot> GpuDataPlane::Fetch(uint32_t layer, uint64_t 
   const uint64_t numel = client_->layer_numel(layer);
   const auto* src = static_cast<const char*>(client_->LayerParams(layer));
   uint16_t* dst = m.window + uint64_t{index} * slot_elems_;
+  ws.valid = false;
   if (ws.free_recorded) {
     RETURN_IF_CUDA_ERROR(cudaStreamWaitEvent(m.h2d, ws.free, 0), "H2D wait for slot reuse");
   }
@@ -500,6 +517,7 @@ absl::StatusOr<GpuDataPlane::Slot> GpuDataPlane::Fetch(uint32_t layer, uint64_t 
   ws.held = true;
   ws.layer = layer;
   ws.version = version;
+  ws.valid = true;
   fetches_ = index + 1;
   return Slot{index, layer, version, dst, numel};
 }
@@ -769,11 +787,25 @@ void GpuDataPlane::CopierLoop() {
       if (m.stop) return;
       auto pick = m.jobs.begin();
       if (m.lowest_first) {
-        // The layer the next forward needs first; collectives already ran in call order.
+        // The layer the next forward needs first, among the gradients the GPU has finished: the
+        // CPU queues backward far ahead of the GPU, and committing the ring's slots to a layer
+        // still being computed would leave hostd idle while finished gradients wait in staging.
+        // Collectives already ran in call order.
+        auto lowest = m.jobs.end();
         for (auto it = m.jobs.begin(); it != m.jobs.end() && it->ticket == m.jobs.front().ticket;
              ++it) {
-          if (it->layer < pick->layer) pick = it;
+          if ((lowest == m.jobs.end() || it->layer < lowest->layer) &&
+              cudaEventQuery(it->ready) == cudaSuccess) {
+            lowest = it;
+          }
         }
+        if (lowest == m.jobs.end()) {
+          // None finished yet: look again shortly (new jobs wake the wait too). Synchronizing on
+          // the event instead would spin a core that hostd's update threads may need.
+          m.cv.wait_for(l, std::chrono::microseconds(200));
+          continue;
+        }
+        pick = lowest;
       }
       job = *pick;
       m.jobs.erase(pick);

@@ -119,6 +119,7 @@ class GpuDataPlane {
     uint64_t d2h_bytes = 0;
     uint64_t chunks_pushed = 0;
     uint64_t layers_fetched = 0;
+    uint64_t window_hits = 0;  // fetches served by a slot that still held the layer (no copy)
     double register_seconds = 0;
     double nccl_init_seconds = 0;
     double copier_wait_seconds = 0;  // copier blocked on hostd freeing ring slots

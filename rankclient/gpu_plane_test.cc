@@ -152,6 +152,57 @@ TEST(GpuPlane, ParameterRoutesDeliverByteIdenticalLayers) {
   }
 }
 
+// A window with room for every layer: the backward's second fetch of a layer (recompute) takes
+// the slot that still holds it, with no copy; a fetch of a newer version copies again.
+TEST(GpuPlane, FreeSlotStillHoldingTheLayerIsReusedWithoutACopy) {
+  auto h = StartHostd(v1::GRAD_ROUTE_CPU_REDUCTION, 1 << 20);
+  ASSERT_NE(h, nullptr);
+  auto client = AttachRank(*h);
+  ASSERT_NE(client, nullptr);
+  const uint32_t layers = client->num_layers();
+  GpuDataPlane::Options o;
+  o.window_slots = layers + 1;
+  o.prefetch_depth = 1;
+  auto plane = GpuDataPlane::Create(client.get(), o);
+  ASSERT_TRUE(plane.ok()) << plane.status();
+  cudaStream_t stream;
+  ASSERT_CUDA(cudaStreamCreate(&stream));
+  ASSERT_OK((*plane)->BeginStep(1, kTimeout));
+  auto fetch_check = [&](uint32_t l, uint64_t version) {
+    auto slot = (*plane)->Fetch(l, version, kTimeout);
+    ASSERT_TRUE(slot.ok()) << slot.status();
+    const uint64_t n = client->layer_numel(l);
+    std::vector<uint16_t> got(n, 0xFFFF);
+    ASSERT_OK((*plane)->WaitSlot(*slot, stream));
+    ASSERT_CUDA(cudaMemcpyAsync(got.data(), slot->data, n * 2, cudaMemcpyDeviceToHost, stream));
+    ASSERT_OK((*plane)->ReleaseSlot(*slot, stream));
+    ASSERT_CUDA(cudaStreamSynchronize(stream));
+    ASSERT_EQ(std::memcmp(got.data(), client->LayerParams(l), n * 2), 0) << "layer " << l;
+  };
+  for (uint32_t l = 0; l < layers; ++l) fetch_check(l, 0);
+  const GpuDataPlane::Stats fwd = (*plane)->stats();
+  for (uint32_t l = layers; l-- > 0;) fetch_check(l, 0);
+  const GpuDataPlane::Stats bwd = (*plane)->stats();
+  EXPECT_EQ(bwd.h2d_bytes, fwd.h2d_bytes);
+  EXPECT_EQ(bwd.window_hits, layers);
+  std::vector<float*> grads(layers, nullptr);
+  for (uint32_t l = layers; l-- > 0;) {
+    const std::vector<float> g = Gradient(l, 1, client->layer_numel(l));
+    ASSERT_CUDA(cudaMalloc(&grads[l], g.size() * 4));
+    ASSERT_CUDA(cudaMemcpy(grads[l], g.data(), g.size() * 4, cudaMemcpyHostToDevice));
+    ASSERT_OK((*plane)->PushGrad(1, l, grads[l], 1, stream, kTimeout));
+  }
+  ASSERT_OK((*plane)->WaitPushes(kTimeout));
+  ASSERT_OK(client->WaitStep(1, kTimeout));
+  ASSERT_OK((*plane)->BeginStep(2, kTimeout));
+  for (uint32_t l = 0; l < layers; ++l) fetch_check(l, 1);  // version 1: copied again
+  EXPECT_GT((*plane)->stats().h2d_bytes, bwd.h2d_bytes);
+  EXPECT_EQ((*plane)->stats().window_hits, layers);
+  plane->reset();
+  for (float* g : grads) cudaFree(g);
+  cudaStreamDestroy(stream);
+}
+
 // A schedule (forward 0..L-1, then backward L-1..0) through a window of 3 slots with 2 layers
 // fetched ahead: every slot handed out holds its layer's bytes; a schedule that holds every slot
 // without releasing is refused; prefetch_depth must leave a slot free.
@@ -475,6 +526,62 @@ INSTANTIATE_TEST_SUITE_P(
           v1::GradRoute_Name(std::get<0>(info.param)),
           std::get<1>(info.param) == GpuDataPlane::Options::PushOrder::kFifo ? "_Fifo" : "_Auto");
     });
+
+// The CPU queues backward far ahead of the GPU: a lower layer whose gradient is still being
+// computed must not hold the ring while a finished gradient waits (hostd would sit idle).
+TEST(PushOrderTest, FinishedGradientsGoBeforeUnfinishedLowerLayers) {
+  auto h = StartHostd(v1::GRAD_ROUTE_CPU_REDUCTION, 1 << 20);  // one chunk per layer
+  ASSERT_NE(h, nullptr);
+  auto client = AttachRank(*h);
+  ASSERT_NE(client, nullptr);
+  hostd::TrainingState* st = h->engine->state();
+  const uint32_t layers = client->num_layers();
+  GpuDataPlane::Options o;
+  o.window_slots = 2;
+  o.prefetch_depth = 1;
+  o.staging_buffers = 8;
+  o.push_order = GpuDataPlane::Options::PushOrder::kAuto;
+  auto created = GpuDataPlane::Create(client.get(), o);
+  ASSERT_TRUE(created.ok()) << created.status();
+  GpuDataPlane& plane = **created;
+  cudaStream_t slow, fast;
+  ASSERT_CUDA(cudaStreamCreate(&slow));
+  ASSERT_CUDA(cudaStreamCreate(&fast));
+  std::vector<void*> dev(layers, nullptr);
+  for (uint32_t l = 0; l < layers; ++l) {
+    const uint64_t n = client->layer_numel(l);
+    ASSERT_CUDA(cudaMalloc(&dev[l], n * 4));
+    const std::vector<float> g = Gradient(l, 1, n);
+    ASSERT_CUDA(cudaMemcpy(dev[l], g.data(), n * 4, cudaMemcpyHostToDevice));
+  }
+  ASSERT_OK(plane.BeginStep(1, kTimeout));
+  std::atomic<bool> go{false};
+  ASSERT_CUDA(cudaLaunchHostFunc(
+      slow,
+      [](void* flag) {
+        while (!static_cast<std::atomic<bool>*>(flag)->load()) {
+          std::this_thread::sleep_for(std::chrono::milliseconds(1));
+        }
+      },
+      &go));
+  ASSERT_OK(plane.PushGrad(1, 1, dev[1], 1, slow, kTimeout));  // still being computed
+  ASSERT_OK(plane.PushGrad(1, 3, dev[3], 1, fast, kTimeout));  // finished
+  const absl::Status got3 = client->WaitLayer(3, 1, std::chrono::seconds(10));
+  EXPECT_TRUE(got3.ok()) << "layer 3 waited behind unfinished layer 1: " << got3;
+  EXPECT_EQ(st->committed_version(1), 0u);
+  go = true;
+  for (uint32_t l = 0; l < layers; ++l) {
+    if (l == 1 || l == 3) continue;
+    ASSERT_OK(plane.PushGrad(1, l, dev[l], 1, fast, kTimeout));
+  }
+  ASSERT_OK(plane.WaitPushes(kTimeout));
+  ASSERT_OK(client->WaitStep(1, kTimeout));
+  EXPECT_EQ(st->committed_version(1), 1u);
+  created->reset();
+  for (void* p : dev) cudaFree(p);
+  cudaStreamDestroy(slow);
+  cudaStreamDestroy(fast);
+}
 
 }  // namespace
 }  // namespace slidedp::rankclient
