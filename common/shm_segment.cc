@@ -12,6 +12,8 @@
 
 #include <boost/interprocess/mapped_region.hpp>
 #include <boost/interprocess/shared_memory_object.hpp>
+#include <cerrno>
+#include <cstring>
 #include <fstream>
 #include <limits>
 #include <utility>
@@ -241,6 +243,27 @@ ShmSegment& ShmSegment::operator=(ShmSegment&& other) noexcept {
     remove_on_destroy_ = std::exchange(other.remove_on_destroy_, false);
   }
   return *this;
+}
+
+absl::StatusOr<size_t> ShmSegment::ReleasePages(size_t offset, size_t bytes) {
+  if (offset > size_bytes_ || bytes > size_bytes_ - offset) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("release of bytes [", offset, ", ", offset + bytes, ") of segment ", name_,
+                     ": expected a range within its ", size_bytes_, " bytes"));
+  }
+  const uintptr_t page = static_cast<uintptr_t>(sysconf(_SC_PAGESIZE));
+  const uintptr_t start = reinterpret_cast<uintptr_t>(data_) + offset;
+  const uintptr_t begin = (start + page - 1) / page * page;
+  const uintptr_t end = (start + bytes) / page * page;
+  if (end <= begin) return 0;
+  void* p = reinterpret_cast<void*>(begin);
+  const size_t len = end - begin;
+  if (locked_) munlock(p, len);
+  if (madvise(p, len, MADV_REMOVE) != 0) {
+    return absl::InternalError(absl::StrCat("madvise(MADV_REMOVE) of ", len, " bytes of segment ",
+                                            name_, ": ", strerror(errno)));
+  }
+  return len;
 }
 
 ShmSegment::~ShmSegment() { Reset(); }

@@ -70,6 +70,10 @@ class ShmSegment {
   bool locked() const { return locked_; }
   int numa_node() const { return numa_node_; }
   void set_remove_on_destroy(bool remove) { remove_on_destroy_ = remove; }
+  // Gives the whole pages inside [offset, offset + bytes) back to the system (unlocked first):
+  // they read as zeros afterwards and take memory again only when written. Returns the bytes
+  // released. INVALID_ARGUMENT when the range is outside the segment.
+  absl::StatusOr<size_t> ReleasePages(size_t offset, size_t bytes);
 
  private:
   void Reset();

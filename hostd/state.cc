@@ -266,6 +266,11 @@ float* TrainingState::exp_avg(uint32_t layer) const {
 float* TrainingState::exp_avg_sq(uint32_t layer) const {
   return state_.at<float>(layers_[layer].state_offset + 2 * layers_[layer].state_stride);
 }
+absl::StatusOr<size_t> TrainingState::ReleaseMoments(uint32_t layer) {
+  const LayerInfo& l = layers_[layer];
+  return state_.ReleasePages(l.state_offset + l.state_stride, 2 * l.state_stride);
+}
+
 uint16_t* TrainingState::params(uint32_t layer) const {
   return params_.at<uint16_t>(layers_[layer].param_offset);
 }

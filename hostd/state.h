@@ -112,6 +112,10 @@ class TrainingState {
   float* exp_avg(uint32_t layer) const;
   float* exp_avg_sq(uint32_t layer) const;
   uint16_t* params(uint32_t layer) const;
+  // Gives the memory of a layer's Adam moments (m, v) back while they are all zeros and hostd
+  // will not update the layer (the ranks do: client_updated_layers). They read as zeros
+  // afterwards, so the layer's optimizer state is unchanged. Returns the bytes released.
+  absl::StatusOr<size_t> ReleaseMoments(uint32_t layer);
 
   shm::ControlBlock& control() const;
   shm::RankSlot& rank_slot(uint32_t rank) const;

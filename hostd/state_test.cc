@@ -59,6 +59,41 @@ TEST(StateTest, LayoutIsPageAlignedAndHeadersValid) {
   EXPECT_EQ(s->control().next_step, 1u);
 }
 
+// Moments of layers the ranks update are given back to the system: they read as zeros, the
+// segment's file holds fewer blocks, and nothing else changes.
+TEST(StateTest, ReleaseMomentsFreesTheirPagesAndKeepsEverythingElse) {
+  auto s = MakeState(UniqueInstance("release"), nullptr);
+  ASSERT_NE(s, nullptr);
+  const LayerInfo& l1 = s->layers()[1];
+  for (uint64_t i = 0; i < l1.numel; ++i) {
+    s->exp_avg(1)[i] = 1.0f;
+    s->exp_avg_sq(1)[i] = 2.0f;
+  }
+  const uint64_t layer0 = s->LayerChecksum(0);
+  const std::vector<float> master1(s->master(1), s->master(1) + l1.numel);
+  const std::vector<uint16_t> params1(s->params(1), s->params(1) + l1.numel);
+  std::string state_name;
+  for (const auto& seg : s->segments()) {
+    if (seg.kind == shm::SegmentKind::kState) state_name = seg.name;
+  }
+  struct stat before, after;
+  ASSERT_EQ(stat(("/dev/shm/" + state_name).c_str(), &before), 0);
+  auto released = s->ReleaseMoments(1);
+  ASSERT_TRUE(released.ok()) << released.status();
+  EXPECT_EQ(*released, 2 * l1.state_stride);
+  ASSERT_EQ(stat(("/dev/shm/" + state_name).c_str(), &after), 0);
+  EXPECT_EQ(static_cast<uint64_t>(before.st_blocks - after.st_blocks) * 512, *released);
+  for (uint64_t i = 0; i < l1.numel; ++i) {
+    ASSERT_EQ(s->exp_avg(1)[i], 0.0f) << i;
+    ASSERT_EQ(s->exp_avg_sq(1)[i], 0.0f) << i;
+  }
+  EXPECT_EQ(std::vector<float>(s->master(1), s->master(1) + l1.numel), master1);
+  EXPECT_EQ(std::vector<uint16_t>(s->params(1), s->params(1) + l1.numel), params1);
+  EXPECT_EQ(s->LayerChecksum(0), layer0);
+  s->exp_avg(1)[0] = 3.0f;  // written again: memory comes back
+  EXPECT_EQ(s->exp_avg(1)[0], 3.0f);
+}
+
 TEST(StateTest, InitIsDeterministicThreadIndependentAndHfLike) {
   auto pool = ThreadPool::Create({.num_threads = 3});
   ASSERT_TRUE(pool.ok());
