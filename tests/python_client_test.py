@@ -331,6 +331,8 @@ class PythonClientTest(unittest.TestCase):
              {"checkpointing": 1.5}, "checkpointing: 1.5"),
             ("unknown nondecoder policy", lambda: model_of("qwen3-tiny"),
              {"nondecoder": "gpu"}, "nondecoder: 'gpu', expected 'auto', 'resident' or 'host'"),
+            ("memory budget not positive", lambda: model_of("qwen3-tiny"),
+             {"memory_budget": -1}, "memory_budget: -1, expected a number of bytes > 0"),
             ("weights differ from hostd's", lambda: train_hf.build_model(
                 train_hf.make_config("qwen3-tiny"), 7), {}, "hostd's weights differ"),
         ]
@@ -340,6 +342,23 @@ class PythonClientTest(unittest.TestCase):
                 with self.assertRaises(slidedp.SlideDPError) as cm:
                     slidedp.attach(m, hostd=sock, device="cpu", **kw)
                 self.assertIn(expect, str(cm.exception))
+        # A batch whose activations exceed the memory budget: refused at its first forward,
+        # naming the batch that fits, before hostd hears of the step.
+        from slidedp import preflight
+        model = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32)
+        layers = model.config.num_hidden_layers
+        per_sample = preflight.step_activation_bytes(model.config, 1, 16, layers, 0)
+        model.train()
+        model, opt = slidedp.attach(model, hostd=sock, device="cpu",
+                                    memory_budget=int(per_sample * 3.5))
+        x = torch.randint(0, model.config.vocab_size, (4, 16))
+        with self.assertRaises(slidedp.SlideDPError) as cm:
+            model(input_ids=x, labels=x)
+        self.assertEqual(cm.exception.code, 8, str(cm.exception))
+        self.assertIn("batch: 4 x seq 16 needs about", str(cm.exception))
+        self.assertIn("batch <= 3 fits", str(cm.exception))
+        self.assertIsNone(model.slidedp.step)
+        opt.close()
         # hostd still serves its untouched job: a correct rank verifies the weights and trains.
         model = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32)
         model, opt = slidedp.attach(model, hostd=sock, device="cpu")

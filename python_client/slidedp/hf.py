@@ -47,6 +47,7 @@ import weakref
 import torch
 import torch.utils.checkpoint
 
+from . import preflight
 from ._lib import DTYPE_BF16, DTYPE_FP32, SlideDPError
 from .rank import GpuPlane, RankHandle, manifest_hash, manifest_layers
 
@@ -346,6 +347,8 @@ class StreamedRuntime:
         self.nparams = sum(l.numel for l in layers.values())
         self.counters0 = backend.counters()
         self.resident_skipped = 0
+        self.shapes_checked = set()
+        self.model_config = model.config
 
     # ---- parameters in and out of the window ----
     def _version(self):
@@ -413,9 +416,11 @@ class StreamedRuntime:
     def _on_model_pre(self, module, args, kwargs):
         if self.closed:
             raise SlideDPError(9, "this model was detached from hostd (opt.close())")
-        if self.step is None:
-            self._begin()
         ids = kwargs.get("input_ids", args[0] if args else None)
+        if self.step is None:
+            if ids is not None and torch.is_grad_enabled():
+                self._preflight(ids, module.training)  # before hostd hears of the step
+            self._begin()
         if ids is not None and torch.is_grad_enabled():
             self.tokens += ids.numel()
             self.seq = ids.shape[-1]
@@ -430,6 +435,25 @@ class StreamedRuntime:
             # Backward starts from the end of the decoder stack: fetch its first layers now.
             self._prefetch(len(self.decoders), -1)
         return out
+
+    def _preflight(self, ids, training):
+        """Refuses a batch whose activations cannot fit the device (preflight.py), once per
+        input shape."""
+        shape = (tuple(ids.shape), training)
+        if ids.dim() < 1 or shape in self.shapes_checked:
+            return
+        budget = self.s.get("memory_budget")
+        device = self.s["device"]
+        available = budget if budget is not None else preflight.free_device_bytes(device)
+        if available is None:  # the CPU without a budget: nothing to check against
+            return
+        n = len(self.decoders)
+        # Layers recompute only in training mode (like HF's checkpointing).
+        recomputed = sum(1 for pos in range(n) if self._recomputes(pos)) if training else 0
+        seq = ids.shape[-1]
+        preflight.check_batch_fits(self.model_config, ids.numel() // max(1, seq), seq,
+                                   recomputed, n - recomputed, int(available), str(device))
+        self.shapes_checked.add(shape)
 
     def _kept_for_backward(self, layer):
         return layer.grads_seen > 0 or (torch.is_grad_enabled() and layer.kind != "decoder")
@@ -791,7 +815,8 @@ def attach(model, hostd="unix:///run/slidedp/hostd.sock", *, rank=None, world_si
            device=None, job_id="", checkpointing="full", offload_ratio=0.0,
            accumulation_steps=1, window_slots=None, prefetch=2, h2d_chunk_bytes=0,
            param_route="replicated", max_pending_grads=4, verify_init=True, time_waits=True,
-           timeout_s=60, cpu_window=False, nondecoder="auto", process_group=None, lib=None):
+           timeout_s=60, cpu_window=False, nondecoder="auto", process_group=None,
+           memory_budget=None, lib=None):
     """Attaches an HF causal LM to hostd's job and returns (model, optimizer).
 
     hostd: its socket ("unix:///path" or a path). rank/world_size: default RANK/WORLD_SIZE
@@ -813,6 +838,10 @@ def attach(model, hostd="unix:///run/slidedp/hostd.sock", *, rank=None, world_si
     and updated by hostd like the decoder layers; their update is the last of the step, and the
     next forward starts by waiting for it. "auto": "resident" on CUDA with one rank or an
     initialized process group and a fresh job, else "host". See README (step-boundary drain).
+    memory_budget: bytes of device memory a training step's activations may use (default: what
+    is free on a CUDA device when the first forward of an input shape runs; none on the CPU). A
+    batch whose estimated activations exceed it is refused (RESOURCE_EXHAUSTED, naming the batch
+    that would fit) before the step begins (slidedp/preflight.py has the estimate).
     """
     cfg = getattr(model, "config", None)
     family = getattr(cfg, "model_type", None)
@@ -833,6 +862,11 @@ def attach(model, hostd="unix:///run/slidedp/hostd.sock", *, rank=None, world_si
         raise SlideDPError(3, f"accumulation_steps: {accumulation_steps}, expected >= 1")
     if int(prefetch) < 0:
         raise SlideDPError(3, f"prefetch: {prefetch}, expected >= 0")
+    if memory_budget is not None and (isinstance(memory_budget, bool) or
+                                      not isinstance(memory_budget, (int, float)) or
+                                      memory_budget <= 0):
+        raise SlideDPError(3, f"memory_budget: {memory_budget!r}, expected a number of bytes > 0 "
+                              "or None")
     base = _find_decoder_stack(model)
     rank, world_size = _resolve_rank(rank, world_size)
     if device is None:
@@ -892,7 +926,8 @@ def attach(model, hostd="unix:///run/slidedp/hostd.sock", *, rank=None, world_si
             checkpointing=checkpointing, accumulation_steps=int(accumulation_steps),
             window_slots=window_slots, prefetch=int(prefetch), h2d_chunk_bytes=h2d_chunk_bytes,
             param_route=param_route, max_pending=int(max_pending_grads), verify=verify_init,
-            time_waits=time_waits, cpu_window=bool(cpu_window)))
+            time_waits=time_waits, cpu_window=bool(cpu_window), device=device,
+            memory_budget=memory_budget))
     except BaseException:
         rh.detach()
         raise
