@@ -46,13 +46,12 @@ def wire(model, offload, checkpointing):
     hooks. Returns a context manager for a forward."""
     import torch
     import torch.utils.checkpoint
-    from slidedp.hf import _spread
-    from slidedp.offload import OffloadedTensor
+    from slidedp.offload import OffloadedTensor, spread
     layers = model.model.layers
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     for pos, layer in enumerate(layers):
         orig = layer.forward
-        ckpt = _spread(checkpointing, pos)
+        ckpt = spread(checkpointing, pos)
 
         def forward(*args, orig=orig, ckpt=ckpt, pos=pos, **kwargs):
             prev = offload.begin_layer(pos)
@@ -84,11 +83,10 @@ def wire(model, offload, checkpointing):
 
 def train(device, checkpointing, ratio, iters=2, batch=4, seq=32, min_bytes=0, shape=None):
     import torch
-    from slidedp.hf import _spread
-    from slidedp.offload import ActivationOffload
+    from slidedp.offload import ActivationOffload, spread
     model = make_model(device, **(shape or {}))
     n = len(model.model.layers)
-    off = ActivationOffload(device, [p for p in range(n) if _spread(ratio, p)] if ratio else [],
+    off = ActivationOffload(device, [p for p in range(n) if spread(ratio, p)] if ratio else [],
                             min_bytes=min_bytes)
     step = wire(model, off, checkpointing)
     g = torch.Generator().manual_seed(1)
@@ -142,9 +140,9 @@ class OffloadTest(unittest.TestCase):
     def test_threshold_and_layers(self):
         """Tensors under offload_min_bytes stay; only the chosen layers' tensors move (r=0.25 of
         4 layers: layer 3 alone)."""
-        from slidedp.hf import _spread
-        self.assertEqual([p for p in range(4) if _spread(0.25, p)], [3])
-        self.assertEqual([p for p in range(4) if _spread(0.5, p)], [1, 3])
+        from slidedp.offload import spread
+        self.assertEqual([p for p in range(4) if spread(0.25, p)], [3])
+        self.assertEqual([p for p in range(4) if spread(0.5, p)], [1, 3])
         _, _, all_small, _, _ = train(DEVICE, "none", 0.25, iters=1, min_bytes=0)
         _, _, big_only, _, _ = train(DEVICE, "none", 0.25, iters=1, min_bytes=32 << 10)
         _, _, every, _, _ = train(DEVICE, "none", 1.0, iters=1, min_bytes=0)

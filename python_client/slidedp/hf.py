@@ -48,7 +48,7 @@ import torch
 import torch.utils.checkpoint
 
 from ._lib import DTYPE_BF16, DTYPE_FP32, SlideDPError
-from .offload import ActivationOffload, OffloadedTensor
+from .offload import ActivationOffload, OffloadedTensor, spread as _spread
 from .rank import GpuPlane, RankHandle, manifest_hash, manifest_layers
 
 log = logging.getLogger("slidedp")
@@ -59,14 +59,6 @@ _TORCH_DTYPE = {DTYPE_FP32: torch.float32, DTYPE_BF16: torch.bfloat16}
 
 def _in_backward():
     return torch._C._current_graph_task_id() != -1
-
-
-def _spread(fraction, pos):
-    """Whether decoder layer `pos` (forward order) is among a fraction f of them spread evenly:
-    all for "full", none for "none", else layer pos when floor((pos+1)f) > floor(pos f)."""
-    if fraction in ("full", "none"):
-        return fraction == "full"
-    return math.floor((pos + 1) * fraction + 1e-9) > math.floor(pos * fraction + 1e-9)
 
 
 class _Layer:

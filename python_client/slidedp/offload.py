@@ -23,11 +23,21 @@ Host buffers come from a pool keyed by size: the first step allocates them, late
 same shapes reuse them (activation_offload_pool_bytes says how much is held).
 """
 import collections
+import math
 import threading
 import time
 import weakref
 
 import torch
+
+
+def spread(fraction, pos):
+    """Whether decoder layer `pos` (forward order) is among a fraction f of them spread evenly:
+    all for "full", none for "none", else layer pos when floor((pos+1)f) > floor(pos f) (f=0.5:
+    layers 1, 3, 5, ...; f=0.25: 3, 7, ...). Checkpointing and offload_ratio choose layers so."""
+    if fraction in ("full", "none"):
+        return fraction == "full"
+    return math.floor((pos + 1) * fraction + 1e-9) > math.floor(pos * fraction + 1e-9)
 
 
 def _dense(t):
