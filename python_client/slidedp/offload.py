@@ -83,6 +83,8 @@ class OffloadedTensor:
 class ActivationOffload:
     def __init__(self, device, positions, min_bytes=64 << 10, time_waits=True):
         self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())  # as tensors say
         self.cuda = self.device.type == "cuda"
         self.positions = frozenset(positions)  # decoder positions (forward order) offloaded
         self.min_bytes = int(min_bytes)
