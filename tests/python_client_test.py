@@ -263,7 +263,9 @@ class PythonClientTest(unittest.TestCase):
         back through the prefetch (no misses), from host buffers reused across steps."""
         import torch
         d = self.prepare("offload", "qwen3-tiny-tied")
-        common = ["--accum", "2", "--offload-min-bytes", "0"]
+        # nondecoder "host": the configuration whose GPU tolerance was measured (with resident
+        # layers the r=0 run itself had 46.5% identical BF16 values on the H200, under the 50%).
+        common = ["--accum", "2", "--offload-min-bytes", "0", "--nondecoder", "host"]
         runs = {}
         for tag, ckpt, ratio in [("o0", "none", "0"), ("o1", "none", "0.5"),
                                  ("o2", "full", "1.0")]:
