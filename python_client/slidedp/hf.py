@@ -29,6 +29,9 @@ Per-layer policy (the schedule of one step):
                   their gradient has been pushed (host-side update, like every layer). Their
                   update is the last of the step and the next forward starts with it, so it is
                   exposed (see README: step-boundary drain).
+  activations     offload_ratio=r: a fraction r of the decoder layers (spread evenly) keep
+                  their saved tensors in pinned host memory between forward and backward,
+                  prefetched one layer ahead (slidedp/offload.py).
 
 The step boundary (GPU backend): opt.step() does not wait for hostd. The plane keeps pushing the
 step's gradients (the layer the next forward needs first goes first) while the next step begins;

@@ -42,7 +42,7 @@ def spread(fraction, pos):
 
 def _dense(t):
     """Non-overlapping and dense: some order of the dimensions is contiguous (transposes and
-    permutes of a contiguous tensor are; slices and expands are not)."""
+    permutes of a contiguous tensor are; slices of an inner dimension and expands are not)."""
     expect = 1
     for stride, size in sorted((st, s) for s, st in zip(t.shape, t.stride()) if s != 1):
         if stride != expect:
