@@ -138,6 +138,8 @@ def cmd_train(a):
     device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
     model, opt = slidedp.attach(model, hostd=a.hostd, device=device,
                                 checkpointing=a.checkpointing, accumulation_steps=a.accum,
+                                offload_ratio=a.offload_ratio,
+                                offload_min_bytes=a.offload_min_bytes,
                                 nondecoder=a.nondecoder,
                                 verify_init=not a.meta and not a.no_verify)
     dev = model.slidedp.backend.device if hasattr(model.slidedp.backend, "device") else "cpu"
@@ -207,6 +209,11 @@ def main():
     t.add_argument("--checkpointing", default="full",
                    type=lambda v: v if v in ("full", "none") else float(v),
                    help="full, none, or the fraction of decoder layers to recompute")
+    t.add_argument("--offload-ratio", type=float, default=0.0,
+                   help="fraction of decoder layers whose saved activations go to host memory "
+                        "(slidedp.attach offload_ratio)")
+    t.add_argument("--offload-min-bytes", type=int, default=65536,
+                   help="saved tensors smaller than this stay on the device (offload_min_bytes)")
     t.add_argument("--device", default=None)
     t.add_argument("--dist-backend", default=None, choices=["gloo", "nccl"],
                    help="initialize a torch.distributed process group first (torchrun)")

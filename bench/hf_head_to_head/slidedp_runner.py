@@ -13,6 +13,7 @@ run_slidedp(cfg, batch, seq, steps, warmup, ckpt, **opts) -> dict
   opts: device, dry_run, seed, input_ids, lr, weight_decay, betas, eps, mark_phase, repo_root
   (from the harness) and, from --slidedp-opt KEY=VALUE: bundle (a deploy/bundle directory; default
   $SLIDEDP_BUNDLE, else REPO/.carry/bundle, else REPO/build), window_slots, prefetch,
+  offload_ratio, offload_min_bytes (activation offload, slidedp.attach),
   update_threads (default: cores - 4), chunk_bytes, h2d_chunk_bytes, hostd_args (list of extra
   hostd flags; default ["--grad_route", "gpu_reduction"]).
 """
@@ -79,7 +80,8 @@ def run_slidedp(cfg, batch, seq, steps, warmup, ckpt, **opts):
         model.train()
         dev = opts.get("device", "cuda")
         kw = {k: opts[k] for k in ("window_slots", "prefetch", "h2d_chunk_bytes", "nondecoder",
-                                   "max_pending_grads") if k in opts}
+                                   "max_pending_grads", "offload_ratio", "offload_min_bytes")
+              if k in opts}
         model, opt = slidedp.attach(model, hostd=sock, device=dev,
                                     checkpointing=opts.get("checkpointing", "full" if ckpt else "none"),
                                     verify_init=False, **kw)
@@ -107,7 +109,8 @@ def run_slidedp(cfg, batch, seq, steps, warmup, ckpt, **opts):
         out = {"step_times": times, "loss": float(loss), "hostd_start_s": round(hostd_start_s, 2),
                "hostd_cmd": " ".join(cmd)}
         keys = ["param_fetch_wait_s", "param_slot_wait_s", "step_begin_wait_s", "push_wait_s",
-                "resident_update_s", "h2d_bytes", "d2h_bytes"]
+                "resident_update_s", "h2d_bytes", "d2h_bytes", "activation_offload_bytes",
+                "activation_prefetch_wait_s"]
         out["breakdown_median"] = {k: sorted(s[k] for s in per_step)[len(per_step) // 2]
                                    for k in keys}
         # Where the version gate held the last step's forward: (layer, seconds, ms into step).

@@ -29,6 +29,9 @@ Per-layer policy (the schedule of one step):
                   their gradient has been pushed (host-side update, like every layer). Their
                   update is the last of the step and the next forward starts with it, so it is
                   exposed (see README: step-boundary drain).
+  activations     offload_ratio=r: a fraction r of the decoder layers (spread evenly) keep
+                  their saved tensors in pinned host memory between forward and backward,
+                  prefetched one layer ahead (slidedp/offload.py).
 
 The step boundary (GPU backend): opt.step() does not wait for hostd. The plane keeps pushing the
 step's gradients (the layer the next forward needs first goes first) while the next step begins;
@@ -49,6 +52,7 @@ import torch.utils.checkpoint
 
 from . import preflight
 from ._lib import DTYPE_BF16, DTYPE_FP32, SlideDPError
+from .offload import ActivationOffload, OffloadedTensor, spread as _spread
 from .rank import GpuPlane, RankHandle, manifest_hash, manifest_layers
 
 log = logging.getLogger("slidedp")
@@ -349,6 +353,8 @@ class StreamedRuntime:
         self.resident_skipped = 0
         self.shapes_checked = set()
         self.model_config = model.config
+        # offload_ratio > 0: the saved activations of these decoder layers go to host memory.
+        self.offload = settings.get("offload")
 
     # ---- parameters in and out of the window ----
     def _version(self):
@@ -424,6 +430,8 @@ class StreamedRuntime:
         if ids is not None and torch.is_grad_enabled():
             self.tokens += ids.numel()
             self.seq = ids.shape[-1]
+        if self.offload is not None and torch.is_grad_enabled():
+            self.offload.begin_forward()
 
     def _on_model_post(self, module, args, kwargs, out):
         if not torch.is_grad_enabled():
@@ -431,9 +439,14 @@ class StreamedRuntime:
                 if layer.flat is not None and not layer.resident and \
                         not self._kept_for_backward(layer):
                     self._release(layer)
-        elif self.backend.windowed:
-            # Backward starts from the end of the decoder stack: fetch its first layers now.
-            self._prefetch(len(self.decoders), -1)
+        else:
+            if self.backend.windowed:
+                # Backward starts from the end of the decoder stack: fetch its first layers now.
+                self._prefetch(len(self.decoders), -1)
+            if self.offload is not None:
+                # When backward starts (the logits' gradient), the last decoder layer's
+                # offloaded activations start coming back.
+                self.offload.watch(getattr(out, "logits", None), len(self.decoders))
         return out
 
     def _preflight(self, ids, training):
@@ -449,10 +462,15 @@ class StreamedRuntime:
             return
         n = len(self.decoders)
         # Layers recompute only in training mode (like HF's checkpointing).
-        recomputed = sum(1 for pos in range(n) if self._recomputes(pos)) if training else 0
+        recomputes = [training and self._recomputes(pos) for pos in range(n)]
+        recomputed = sum(recomputes)
+        # Layers keeping their activations whose saved tensors go to host memory (offload_ratio).
+        offloaded = 0 if self.offload is None else sum(
+            1 for pos in self.offload.positions if not recomputes[pos])
         seq = ids.shape[-1]
         preflight.check_batch_fits(self.model_config, ids.numel() // max(1, seq), seq,
-                                   recomputed, n - recomputed, int(available), str(device))
+                                   recomputed, n - recomputed, int(available), str(device),
+                                   offloaded=offloaded)
         self.shapes_checked.add(shape)
 
     def _kept_for_backward(self, layer):
@@ -511,9 +529,17 @@ class StreamedRuntime:
             for layer in self.layers.values():
                 if layer.slot == slot:
                     return _Token(layer.index, off - slot * se, tuple(t.shape), t.stride())
+            return t  # window memory is never offloaded
+        if self.offload is not None and self.offload.cur is not None:
+            # Not the running layer's own parameters (host copies on the CPU backend).
+            flat = self.layers[self.decoders[self.offload.cur]].flat
+            return self.offload.pack(t, () if flat is None else
+                                     (flat.untyped_storage().data_ptr(),))
         return t
 
     def _unpack(self, x):
+        if isinstance(x, OffloadedTensor):
+            return self.offload.unpack(x)
         if not isinstance(x, _Token):
             return x
         layer = self._acquire(x.layer)
@@ -585,35 +611,47 @@ class StreamedRuntime:
     def _recomputes(self, pos):
         """Whether decoder layer `pos` (forward order) is checkpointed: all ("full"), none, or
         a fraction f of them spread evenly (layer pos when floor((pos+1)f) > floor(pos f))."""
-        c = self.s["checkpointing"]
-        if c in ("full", "none"):
-            return c == "full"
-        return math.floor((pos + 1) * c + 1e-9) > math.floor(pos * c + 1e-9)
+        return _spread(self.s["checkpointing"], pos)
 
     def _wrap_decoder(self, module, idxs):
         # The fetch runs inside the checkpointed function, so the recompute in backward fetches
         # the layer again (module hooks may run outside a checkpoint, depending on the library).
         orig = module.forward
-        ckpt = self._recomputes(self.dec_pos[idxs[0]])
+        pos = self.dec_pos[idxs[0]]
+        ckpt = self._recomputes(pos)
 
         def run(recompute, *args, **kwargs):
             self._on_pre(idxs, module, args)
             out = orig(*args, **kwargs)
             return self._on_post(idxs, module, args, out, recompute)
 
-        def forward(*args, **kwargs):
+        def call(*args, **kwargs):
             # Like HF's own checkpointing: only in training mode.
             if ckpt and module.training and torch.is_grad_enabled():
                 return torch.utils.checkpoint.checkpoint(run, True, *args, use_reentrant=False,
                                                          **kwargs)
             return run(False, *args, **kwargs)
 
+        def forward(*args, **kwargs):
+            off = self.offload
+            if off is None or not torch.is_grad_enabled() or _in_backward():
+                return call(*args, **kwargs)
+            # What autograd saves while this layer runs (with checkpointing: the layer's inputs)
+            # is offloaded when the layer is one of offload_ratio's.
+            prev = off.begin_layer(pos)
+            try:
+                out = call(*args, **kwargs)
+            finally:
+                off.end_layer(prev)
+            off.watch(out, pos)  # backward reaches this layer: prefetch the one before it
+            return out
+
         module.forward = forward
         self.restore.append((module, "forward"))
 
     @contextlib.contextmanager
     def saved_tensor_hooks(self):
-        if self.backend.windowed:
+        if self.backend.windowed or self.offload is not None:
             with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
                 yield
         else:
@@ -708,6 +746,12 @@ class StreamedRuntime:
             "h2d_bytes": c["h2d_bytes"] - self.counters0["h2d_bytes"],
             "d2h_bytes": c["d2h_bytes"] - self.counters0["d2h_bytes"],
         }
+        if self.offload is not None:
+            # activation_offload_bytes (D2H), activation_prefetch_bytes (H2D),
+            # activation_prefetch_wait_s, activation_prefetch_misses, activation_offload_pool_bytes
+            stats.update(self.offload.step_stats())
+        else:
+            stats.update(activation_offload_bytes=0, activation_prefetch_wait_s=0.0)
         self.counters0 = c
         self.next_step = self.step + 1
         self.step = None
@@ -813,9 +857,9 @@ def _layer_checksums(tensors):
 
 def attach(model, hostd="unix:///run/slidedp/hostd.sock", *, rank=None, world_size=None,
            device=None, job_id="", checkpointing="full", offload_ratio=0.0,
-           accumulation_steps=1, window_slots=None, prefetch=2, h2d_chunk_bytes=0,
-           param_route="replicated", max_pending_grads=4, verify_init=True, time_waits=True,
-           timeout_s=60, cpu_window=False, nondecoder="auto", process_group=None,
+           offload_min_bytes=65536, accumulation_steps=1, window_slots=None, prefetch=2,
+           h2d_chunk_bytes=0, param_route="replicated", max_pending_grads=4, verify_init=True,
+           time_waits=True, timeout_s=60, cpu_window=False, nondecoder="auto", process_group=None,
            memory_budget=None, lib=None):
     """Attaches an HF causal LM to hostd's job and returns (model, optimizer).
 
@@ -823,10 +867,17 @@ def attach(model, hostd="unix:///run/slidedp/hostd.sock", *, rank=None, world_si
     (torchrun) or the initialized process group, else 0/hostd's. device: default cuda when CUDA
     is available, else cpu; "cuda" without an index means cuda:(LOCAL_RANK mod GPU count).
     checkpointing: "full" (recompute each decoder layer in backward), "none", or a fraction in
-    [0, 1] of the decoder layers to recompute, spread evenly (the rest keep their activations). accumulation_steps: micro-batches per optimizer step (gradients
-    accumulated in FP32 on the compute device). window_slots: GPU window size in layers (default:
-    enough for the schedule). prefetch: decoder layers fetched ahead. verify_init: on a fresh job,
-    check that hostd's weights equal the model's (BF16-rounded) before training them.
+    [0, 1] of the decoder layers to recompute, spread evenly (the rest keep their activations).
+    offload_ratio: the fraction r in [0, 1] of the decoder layers (spread evenly, like the
+    checkpointing fraction: layer pos when floor((pos+1)r) > floor(pos r)) whose saved
+    activations go to host memory during forward (pinned, copied on a side CUDA stream) and come
+    back for backward one layer ahead; for a checkpointed layer that is its input, otherwise
+    every tensor autograd saves in it except its parameters and tensors smaller than
+    offload_min_bytes (default 64 KiB). accumulation_steps: micro-batches per optimizer step
+    (gradients accumulated in FP32 on the compute device). window_slots: GPU window size in
+    layers (default: enough for the schedule). prefetch: decoder layers fetched ahead.
+    verify_init: on a fresh job, check that hostd's weights equal the model's (BF16-rounded)
+    before training them.
     cpu_window: on the CPU, compute in BF16 through a window of slots like the GPU's (tests the
     GPU schedule without a GPU).
     nondecoder: where embeddings, final norm and lm_head are updated. "resident": they stay on the
@@ -853,11 +904,15 @@ def attach(model, hostd="unix:///run/slidedp/hostd.sock", *, rank=None, world_si
             and 0.0 <= checkpointing <= 1.0):
         raise SlideDPError(3, f"checkpointing: {checkpointing!r}, expected 'full', 'none' or the "
                               "fraction of decoder layers to recompute, in [0, 1]")
-    if not (0.0 <= float(offload_ratio) <= 1.0):
-        raise SlideDPError(3, f"offload_ratio: {offload_ratio}, expected a value in [0, 1]")
-    if offload_ratio != 0.0:
-        raise SlideDPError(12, "offload_ratio: activation offload is not available in this "
-                               "version; use 0")
+    if isinstance(offload_ratio, bool) or not isinstance(offload_ratio, (int, float)) or \
+            not 0.0 <= offload_ratio <= 1.0:
+        raise SlideDPError(3, f"offload_ratio: {offload_ratio!r}, expected a number in [0, 1] (the "
+                              "fraction of decoder layers whose saved activations go to host "
+                              "memory)")
+    if isinstance(offload_min_bytes, bool) or not isinstance(offload_min_bytes, int) or \
+            offload_min_bytes < 0:
+        raise SlideDPError(3, f"offload_min_bytes: {offload_min_bytes!r}, expected an integer "
+                              ">= 0 (saved tensors smaller than this stay on the device)")
     if int(accumulation_steps) < 1:
         raise SlideDPError(3, f"accumulation_steps: {accumulation_steps}, expected >= 1")
     if int(prefetch) < 0:
@@ -924,6 +979,7 @@ def attach(model, hostd="unix:///run/slidedp/hostd.sock", *, rank=None, world_si
         return _attach(model, base, rh, device, mhash, dict(
             resident=set(resident), process_group=pg,
             checkpointing=checkpointing, accumulation_steps=int(accumulation_steps),
+            offload_ratio=float(offload_ratio), offload_min_bytes=offload_min_bytes,
             window_slots=window_slots, prefetch=int(prefetch), h2d_chunk_bytes=h2d_chunk_bytes,
             param_route=param_route, max_pending=int(max_pending_grads), verify=verify_init,
             time_waits=time_waits, cpu_window=bool(cpu_window), device=device,
@@ -1051,8 +1107,13 @@ def _attach(model, base, rh, device, mhash, s):
     else:
         slots = s["window_slots"] or needed
         backend = _CpuBackend(rh, compute_dtype)
+    offload = None
+    if s["offload_ratio"] > 0:
+        offload = ActivationOffload(device, [p for p in range(len(decoders))
+                                             if _spread(s["offload_ratio"], p)],
+                                    s["offload_min_bytes"], s["time_waits"])
     settings = dict(s, window_slots=slots, slots_needed=needed, placeholder=placeholder,
-                    modules=modules)
+                    modules=modules, offload=offload)
     rt = StreamedRuntime(model, rh, backend, layers, decoders, settings)
     rt.install()
     if sums is not None:
@@ -1072,10 +1133,13 @@ def _attach(model, base, rh, device, mhash, s):
             return orig_forward(*args, **kwargs)
     model.forward = forward
     log.info("rank %d attached to %s: %d layers (%d decoder), %.2fB parameters, %s backend, "
-             "window %d slots, grad route %s, checkpointing %s, non-decoder layers %s",
+             "window %d slots, grad route %s, checkpointing %s, non-decoder layers %s, "
+             "activation offload %s",
              rh.rank, rh.socket, len(layers), len(decoders), rt.nparams / 1e9, backend.name,
              slots, rh.grad_route, s["checkpointing"],
-             "resident (device AdamW)" if s["resident"] else "host-updated")
+             "resident (device AdamW)" if s["resident"] else "host-updated",
+             f"r={s['offload_ratio']:g}: decoder layers {sorted(offload.positions)}"
+             if offload is not None else "off")
     return model, SlideDPOptimizer(rt)
 
 
