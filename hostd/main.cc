@@ -10,11 +10,13 @@
 #include <cstdlib>
 #include <iostream>
 #include <map>
+#include <memory>
 #include <string>
 
 #include "absl/strings/str_cat.h"
 #include "hostd/config.h"
 #include "hostd/engine.h"
+#include "hostd/metrics.h"
 #include "hostd/notify.h"
 #include "hostd/service.h"
 #include "spdlog/spdlog.h"
@@ -87,6 +89,21 @@ int main(int argc, char** argv) {
   }
   spdlog::info("serving slidedp.v1.Control on unix:{}{}", config.socket,
                config.listen_tcp.empty() ? "" : " and " + config.listen_tcp);
+  std::unique_ptr<slidedp::hostd::MetricsServer> metrics;
+  if (!config.metrics_listen.empty() && config.metrics_listen != "off") {
+    auto started = slidedp::hostd::MetricsServer::Start(engine->get(), config.metrics_listen);
+    if (!started.ok()) {
+      spdlog::error("startup failed: {}", started.status().ToString());
+      notifier.Status("startup failed: " + started.status().ToString());
+      (*server)->Shutdown(0);
+      (*engine)->Shutdown(/*remove_state=*/true);
+      return 1;
+    }
+    metrics = std::move(*started);
+    const std::string& l = config.metrics_listen;
+    spdlog::info("serving metrics on http://{}:{}/metrics", l.substr(0, l.rfind(':')),
+                 metrics->port());
+  }
   Engine* e = engine->get();
   // The probe takes the engine's lock (GetStatus): a stuck engine stops the watchdog pings.
   auto probe = [e]() -> std::string {
@@ -107,6 +124,7 @@ int main(int argc, char** argv) {
   spdlog::info("received {}, stopping", sig == SIGTERM ? "SIGTERM" : "SIGINT");
   notifier.Stopping();
   notifier.Stop();
+  metrics.reset();
   (*engine)->Shutdown(/*remove_state=*/true);
   (*server)->Shutdown(2000);
   (*server)->Wait();
