@@ -748,8 +748,9 @@ void Engine::OnLayerDone(const LayerUpdateResult& r) {
     last_completed_step_ = running_step_;
     last_step_seconds_ = seconds;
     step_seconds_sum_ += seconds;
-    if (step_seconds_buckets_.empty())
+    if (step_seconds_buckets_.empty()) {
       step_seconds_buckets_.assign(std::size(kStepSecondsBounds) + 1, 0);
+    }
     step_seconds_buckets_[static_cast<size_t>(
         std::lower_bound(std::begin(kStepSecondsBounds), std::end(kStepSecondsBounds), seconds) -
         std::begin(kStepSecondsBounds))]++;

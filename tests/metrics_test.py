@@ -92,6 +92,7 @@ class MetricsTest(unittest.TestCase):
         port = free_port()
         sock = os.path.join(self.tmp, "h.sock")
         log = open(os.path.join(self.tmp, "hostd.log"), "w+")
+        self.addCleanup(log.close)
         # The [metrics] table of a config file.
         cfg = os.path.join(self.tmp, "hostd.toml")
         with open(cfg, "w") as f:
