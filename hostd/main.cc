@@ -76,26 +76,13 @@ int main(int argc, char** argv) {
     notifier.Status("startup failed: " + engine.status().ToString());
     return 1;
   }
-  ControlServer::Options so;
-  so.socket_path = config.socket;
-  so.listen_tcp = config.listen_tcp;
-  so.socket_mode = config.shm_mode == "0660" ? 0660 : 0600;
-  auto server = ControlServer::Start(engine->get(), so);
-  if (!server.ok()) {
-    spdlog::error("startup failed: {}", server.status().ToString());
-    notifier.Status("startup failed: " + server.status().ToString());
-    (*engine)->Shutdown(/*remove_state=*/true);
-    return 1;
-  }
-  spdlog::info("serving slidedp.v1.Control on unix:{}{}", config.socket,
-               config.listen_tcp.empty() ? "" : " and " + config.listen_tcp);
+  // Metrics first: once the control socket exists, everything hostd serves is up.
   std::unique_ptr<slidedp::hostd::MetricsServer> metrics;
   if (!config.metrics_listen.empty() && config.metrics_listen != "off") {
     auto started = slidedp::hostd::MetricsServer::Start(engine->get(), config.metrics_listen);
     if (!started.ok()) {
       spdlog::error("startup failed: {}", started.status().ToString());
       notifier.Status("startup failed: " + started.status().ToString());
-      (*server)->Shutdown(0);
       (*engine)->Shutdown(/*remove_state=*/true);
       return 1;
     }
@@ -104,6 +91,20 @@ int main(int argc, char** argv) {
     spdlog::info("serving metrics on http://{}:{}/metrics", l.substr(0, l.rfind(':')),
                  metrics->port());
   }
+  ControlServer::Options so;
+  so.socket_path = config.socket;
+  so.listen_tcp = config.listen_tcp;
+  so.socket_mode = config.shm_mode == "0660" ? 0660 : 0600;
+  auto server = ControlServer::Start(engine->get(), so);
+  if (!server.ok()) {
+    spdlog::error("startup failed: {}", server.status().ToString());
+    notifier.Status("startup failed: " + server.status().ToString());
+    metrics.reset();
+    (*engine)->Shutdown(/*remove_state=*/true);
+    return 1;
+  }
+  spdlog::info("serving slidedp.v1.Control on unix:{}{}", config.socket,
+               config.listen_tcp.empty() ? "" : " and " + config.listen_tcp);
   Engine* e = engine->get();
   // The probe takes the engine's lock (GetStatus): a stuck engine stops the watchdog pings.
   auto probe = [e]() -> std::string {
