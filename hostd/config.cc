@@ -10,14 +10,17 @@
 #include <fstream>
 #include <functional>
 #include <limits>
+#include <map>
 #include <sstream>
 #include <utility>
 
 #include "CLI/CLI.hpp"
 #include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/str_replace.h"
 #include "absl/strings/str_split.h"
 #include "common/status_macros.h"
 #include "toml++/toml.h"
@@ -467,6 +470,18 @@ std::vector<KeyDescriptor> BuildKeys() {
       "never tears. cpu_reduction always updates whole layers.",
       {"auto", "layer", "chunk"}, &HostdConfig::update_granularity));
 
+  const std::string metrics = "Metrics";
+  k.push_back(StringKey("metrics.listen", metrics,
+                        "Prometheus endpoint ([metrics] listen): HOST:PORT serving /metrics, e.g. "
+                        "127.0.0.1:9464 (PORT 0 picks a free port, logged); empty or off: "
+                        "disabled. Loopback only unless metrics.allow_remote.",
+                        &HostdConfig::metrics_listen));
+  k.push_back(BoolKey(
+      "metrics.allow_remote", metrics,
+      "Allow a non-loopback metrics.listen address (the endpoint has no authentication).",
+      [](const HostdConfig& c) { return c.metrics_allow_remote; },
+      [](HostdConfig& c, bool v) { c.metrics_allow_remote = v; }));
+
   const std::string shm = "Shared memory";
   k.push_back(StringEnumKey("mlock", shm,
                             "Lock the state in RAM: required (fail if it cannot be locked), "
@@ -608,6 +623,28 @@ absl::Status Validate(const HostdConfig& c, const WhereFn& where) {
                              "' is not a loopback address; expected 127.0.0.1:PORT, [::1]:PORT or "
                              "localhost:PORT with PORT 0..65535, or empty (hostd serves only "
                              "local clients)"));
+  }
+  if (!c.metrics_listen.empty() && c.metrics_listen != "off") {
+    const size_t colon = c.metrics_listen.rfind(':');
+    uint32_t port = 0;
+    const std::string_view port_text = colon == std::string::npos
+                                           ? std::string_view()
+                                           : std::string_view(c.metrics_listen).substr(colon + 1);
+    auto [end, ec] = std::from_chars(port_text.data(), port_text.data() + port_text.size(), port);
+    if (colon == std::string::npos || colon == 0 || port_text.empty() || ec != std::errc() ||
+        end != port_text.data() + port_text.size() || port > 65535) {
+      return fail("metrics.listen",
+                  absl::StrCat("'", c.metrics_listen,
+                               "' is not HOST:PORT with PORT 0..65535; expected e.g. "
+                               "127.0.0.1:9464, or empty/off to disable"));
+    }
+    if (!c.metrics_allow_remote && !IsLoopbackListen(c.metrics_listen)) {
+      return fail("metrics.listen",
+                  absl::StrCat("'", c.metrics_listen,
+                               "' is not a loopback address (127.0.0.1, [::1], localhost) and the "
+                               "endpoint has no authentication; set metrics.allow_remote = true "
+                               "to serve it anyway"));
+    }
   }
   if (!in_choices("log_level", c.log_level)) {
     return fail("log_level", not_one_of("log_level", c.log_level));
@@ -875,14 +912,34 @@ absl::Status ApplyFile(const std::string& path, HostdConfig& c, std::vector<Orig
                                                    Av(e.description())));
   }
   // Report problems in file order rather than the table's key order.
+  // A table whose keys are dotted keys of the table ([metrics] listen = metrics.listen) is
+  // flattened into them.
   std::vector<std::pair<const toml::key*, const toml::node*>> items;
-  for (const auto& [key, node] : table) items.emplace_back(&key, &node);
+  std::map<const toml::key*, std::string> prefixes;
+  const std::vector<KeyDescriptor>& all_keys = Keys();
+  for (const auto& [key, node] : table) {
+    const std::string prefix = absl::StrCat(Av(key.str()), ".");
+    const bool is_section =
+        node.is_table() && std::any_of(all_keys.begin(), all_keys.end(), [&](const auto& d) {
+          return absl::StartsWith(d.name, prefix);
+        });
+    if (!is_section) {
+      items.emplace_back(&key, &node);
+      continue;
+    }
+    for (const auto& [sub_key, sub_node] : *node.as_table()) {
+      items.emplace_back(&sub_key, &sub_node);
+      prefixes[&sub_key] = prefix;
+    }
+  }
   std::sort(items.begin(), items.end(), [](const auto& a, const auto& b) {
     return a.first->source().begin.line < b.first->source().begin.line;
   });
   const std::vector<KeyDescriptor>& keys = Keys();
   for (const auto& [key, node] : items) {
-    const std::string name(key->str());
+    const auto prefix = prefixes.find(key);
+    const std::string name =
+        absl::StrCat(prefix == prefixes.end() ? "" : prefix->second, Av(key->str()));
     const std::string detail = absl::StrCat("file ", path, ":", key->source().begin.line);
     const auto it = std::find_if(keys.begin(), keys.end(),
                                  [&name](const KeyDescriptor& d) { return d.name == name; });
@@ -975,7 +1032,8 @@ std::vector<std::string> ConfigKeys() {
 }
 
 std::string ConfigEnvName(std::string_view key) {
-  return absl::StrCat("SLIDEDP_", absl::AsciiStrToUpper(Av(key)));
+  return absl::StrReplaceAll(absl::StrCat("SLIDEDP_", absl::AsciiStrToUpper(Av(key))),
+                             {{".", "_"}});
 }
 
 std::map<std::string, std::string> ProcessEnvironment() {

@@ -8,6 +8,8 @@
 //   flag   --KEY VALUE or --KEY=VALUE             e.g. --lr 3e-4, --grad_route=gpu_reduction
 //   env    SLIDEDP_<KEY in upper case>            e.g. SLIDEDP_LR=3e-4, SLIDEDP_WORLD_SIZE=8
 //   file   flat TOML keys with the same names     e.g. lr = 3e-4, grad_route = "cpu_reduction"
+// Keys with a dot live in a TOML table: "metrics.listen" is `listen` in `[metrics]` (or the
+// dotted key itself), the flag --metrics.listen and the variable SLIDEDP_METRICS_LISTEN.
 // The file is named by --config FILE, else by SLIDEDP_CONFIG; without either no file is read.
 // Strings, enums and sizes are TOML strings, numbers and booleans are bare; chunk_bytes accepts
 // an integer or a size string ("16MiB", "4M", "64KiB"; binary units). Unknown keys in the file and
@@ -60,6 +62,10 @@ struct HostdConfig {
   // auto|layer|chunk: whether the GPU-reduction and reduce-scatter routes may update a layer
   // chunk by chunk as its gradient arrives (see the key's help in config.cc for the tear cost).
   std::string update_granularity = "auto";
+  // [metrics]: the Prometheus endpoint (hostd/metrics.h). listen: "" or "off" (disabled) or
+  // HOST:PORT, loopback unless allow_remote.
+  std::string metrics_listen;
+  bool metrics_allow_remote = false;
   std::string config_file;  // the TOML file read, if any (not itself a key)
 };
 

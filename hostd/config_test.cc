@@ -243,6 +243,39 @@ log_level = "debug"
   }
 }
 
+TEST(ConfigTest, MetricsTableFlagsEnvAndLoopbackCheck) {
+  TempDir tmp;
+  // [metrics] in a file, or its dotted keys: both are the keys metrics.*.
+  for (const char* text : {"lr = 1e-3\n[metrics]\nlisten = \"127.0.0.1:9464\"\n",
+                           "metrics.listen = \"127.0.0.1:9464\"\nlr = 1e-3\n"}) {
+    const LoadedConfig c = MustLoad({"--config", tmp.Write("m.toml", text)});
+    EXPECT_EQ(c.config.metrics_listen, "127.0.0.1:9464") << text;
+    EXPECT_FALSE(c.config.metrics_allow_remote);
+  }
+  EXPECT_EQ(MustLoad({}, {{"SLIDEDP_METRICS_LISTEN", "[::1]:1"}}).config.metrics_listen, "[::1]:1");
+  EXPECT_EQ(MustLoad({"--metrics.listen", "off"}).config.metrics_listen, "off");
+  EXPECT_EQ(MustLoad({}).config.metrics_listen, "");  // off by default
+  auto remote = Load({"--metrics.listen", "0.0.0.0:9464"});
+  ASSERT_FALSE(remote.ok());
+  EXPECT_NE(remote.status().message().find("metrics.listen (flag --metrics.listen): '0.0.0.0:9464' "
+                                           "is not a loopback address"),
+            std::string::npos)
+      << remote.status();
+  EXPECT_TRUE(Load({"--metrics.listen", "0.0.0.0:9464", "--metrics.allow_remote", "true"}).ok());
+  for (const char* bad : {"9464", "127.0.0.1:", "127.0.0.1:70000", ":9464", "127.0.0.1:x"}) {
+    auto r = Load({"--metrics.listen", bad});
+    ASSERT_FALSE(r.ok()) << bad;
+    EXPECT_NE(r.status().message().find("is not HOST:PORT"), std::string::npos) << r.status();
+  }
+  auto unknown = Load({"--config", tmp.Write("u.toml", "[metrics]\nport = 1\n")});
+  ASSERT_FALSE(unknown.ok());
+  EXPECT_NE(unknown.status().message().find("metrics.port"), std::string::npos) << unknown.status();
+  // A table that holds no keys of hostd's is still refused as before.
+  auto table = Load({"--config", tmp.Write("t.toml", "[other]\nx = 1\n")});
+  ASSERT_FALSE(table.ok());
+  EXPECT_NE(table.status().message().find("is a table"), std::string::npos) << table.status();
+}
+
 TEST(ConfigTest, SizeForms) {
   TempDir tmp;
   struct Case {
@@ -805,11 +838,15 @@ TEST(ConfigTest, KeyListAndEnvNames) {
                         "init",
                         "log_level",
                         "heartbeat_interval_ms",
-                        "heartbeat_deadline_ms"}) {
+                        "heartbeat_deadline_ms",
+                        "metrics.listen",
+                        "metrics.allow_remote"}) {
     EXPECT_NE(std::find(keys.begin(), keys.end(), k), keys.end()) << k;
   }
-  EXPECT_EQ(keys.size(), 34u);
+  EXPECT_EQ(keys.size(), 36u);
   EXPECT_EQ(ConfigEnvName("world_size"), "SLIDEDP_WORLD_SIZE");
+  // A key of a TOML table: the dot becomes '_'.
+  EXPECT_EQ(ConfigEnvName("metrics.listen"), "SLIDEDP_METRICS_LISTEN");
 }
 
 TEST(ConfigTest, ProcessEnvironmentKeepsSlidedpVariables) {

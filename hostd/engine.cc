@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <filesystem>
+#include <iterator>
 #include <random>
 #include <utility>
 
@@ -17,6 +18,7 @@
 #include "absl/strings/string_view.h"
 #include "common/status_macros.h"
 #include "common/version.h"
+#include "hostd/hf_export.h"
 #include "hostd/hf_import.h"
 #include "hostd/manifest.h"
 #include "hostd/safetensors.h"
@@ -39,6 +41,10 @@ constexpr uint32_t kGradPushingRank = 0;
 // sees the step done (WaitStep) at this point, so its detach or exit must not abort the step.
 // Layers the ranks update themselves (`client_updated`) are published only when the step
 // completes, so they are not waited for.
+// Upper bounds (seconds) of the step-time histogram: tiny CPU jobs to multi-minute steps.
+constexpr double kStepSecondsBounds[] = {0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1,
+                                         2.5,  5,     10,   25,  60,   120, 300};
+
 bool AllLayersAt(const TrainingState& state, uint64_t step,
                  const std::vector<bool>& client_updated) {
   for (uint32_t l = 0; l < state.num_layers(); ++l) {
@@ -160,6 +166,7 @@ absl::Status Engine::Init(std::optional<Topology> topology) {
 Engine::~Engine() { Shutdown(/*remove_state=*/false); }
 
 void Engine::Shutdown(bool remove_state) {
+  stopping_.store(true);
   {
     absl::MutexLock lock(&mu_);
     if (serving_) {
@@ -571,6 +578,7 @@ absl::StatusOr<slidedp::v1::BeginStepResponse> Engine::BeginStep(
         absl::StrCat("rank ", r.rank(), " is not attached; attach before beginning a step"));
   }
   RETURN_IF_ERROR(AwaitSealsLocked());
+  RETURN_IF_ERROR(AwaitExportLocked());
   RETURN_IF_ERROR(CheckNotTornLocked());
   // While step t's updates run, t + 1 is accepted at once and queued; it starts the moment t
   // completes (OnLayerDone). The ranks' forward of t + 1 waits per layer on the version gates.
@@ -599,6 +607,7 @@ absl::StatusOr<slidedp::v1::BeginStepResponse> Engine::BeginStep(
 }
 
 void Engine::StartStepLocked(uint64_t step) {
+  step_started_ = SteadyClock::now();
   running_step_ = step;
   step_state_ = "running";
   layers_done_in_step_ = 0;
@@ -751,7 +760,19 @@ void Engine::OnLayerDone(const LayerUpdateResult& r) {
   }
   step_update_seconds_ += r.seconds;
   step_layers_.push_back(r);
+  if (r.applied) param_bytes_published_ += state_->layers()[r.layer].param_bytes;
   if (++layers_done_in_step_ + client_layers_.size() == state_->num_layers()) {
+    const double seconds =
+        std::chrono::duration<double>(SteadyClock::now() - step_started_).count();
+    last_completed_step_ = running_step_;
+    last_step_seconds_ = seconds;
+    step_seconds_sum_ += seconds;
+    if (step_seconds_buckets_.empty()) {
+      step_seconds_buckets_.assign(std::size(kStepSecondsBounds) + 1, 0);
+    }
+    step_seconds_buckets_[static_cast<size_t>(
+        std::lower_bound(std::begin(kStepSecondsBounds), std::end(kStepSecondsBounds), seconds) -
+        std::begin(kStepSecondsBounds))]++;
     for (uint32_t l : client_layers_) {
       if (state_->committed_version(l) < running_step_) state_->PublishLayer(l, running_step_);
     }
@@ -766,8 +787,9 @@ void Engine::OnLayerDone(const LayerUpdateResult& r) {
     shm::ControlBlock& cb = state_->control();
     shm::Atomic(cb.next_step).store(next_step_, std::memory_order_release);
     shm::Atomic(cb.step_state).store(static_cast<uint64_t>(shm::StepState::kIdle));
-    // A queued step starts the moment its predecessor completes: its ranks are already in it.
-    if (queued_step_ != 0) StartStepLocked(std::exchange(queued_step_, 0));
+    // A queued step starts the moment its predecessor completes: its ranks are already in it
+    // (unless an export holds it: ExportHF starts it when done).
+    if (queued_step_ != 0 && !export_active_) StartStepLocked(std::exchange(queued_step_, 0));
   }
 }
 
@@ -777,7 +799,11 @@ absl::Status Engine::SubmitGradient(uint32_t layer, uint64_t step, GradientRef g
     absl::MutexLock lock(&mu_);
     RETURN_IF_ERROR(CheckJob(""));
     RETURN_IF_ERROR(CheckNotTornLocked());
+    if (running_step_ == 0 && step == next_step_ && export_active_) {
+      return absl::UnavailableError("step: an HF export is in progress; retry once it is done");
+    }
     if (running_step_ == 0 && step == next_step_) {
+      step_started_ = SteadyClock::now();
       running_step_ = step;
       step_state_ = "running";
       layers_done_in_step_ = 0;
@@ -1017,7 +1043,29 @@ absl::StatusOr<slidedp::v1::GetStatsResponse> Engine::GetStats(
   }
   resp.set_last_step_span_seconds(last - first);
   resp.set_last_step_idle_seconds(idle);
+  resp.set_last_step(last_completed_step_);
+  resp.set_last_step_seconds(last_step_seconds_);
+  resp.set_step_seconds_sum(step_seconds_sum_);
+  for (double b : kStepSecondsBounds) resp.add_step_seconds_bounds(b);
+  for (size_t i = 0; i <= std::size(kStepSecondsBounds); ++i) {
+    resp.add_step_seconds_buckets(i < step_seconds_buckets_.size() ? step_seconds_buckets_[i] : 0);
+  }
+  resp.set_grad_bytes_received(reducer_->stats().bytes_reduced);
+  resp.set_param_bytes_published(param_bytes_published_);
+  resp.set_checkpoint_last_step(checkpoint_step_);
+  resp.set_checkpoint_age_seconds(
+      checkpoint_time_
+          ? std::chrono::duration<double>(SteadyClock::now() - *checkpoint_time_).count()
+          : -1.0);
+  resp.set_exports_completed(exports_completed_);
+  resp.set_step_running(running_step_);
   return resp;
+}
+
+void Engine::NoteCheckpoint(uint64_t step) {
+  absl::MutexLock lock(&mu_);
+  checkpoint_step_ = step;
+  checkpoint_time_ = SteadyClock::now();
 }
 
 slidedp::v1::GetConfigResponse Engine::GetConfig() const {
@@ -1146,6 +1194,111 @@ std::optional<slidedp::v1::SessionEvent> Engine::NextSessionEvent(uint32_t rank,
 bool Engine::SessionActive(uint32_t rank) const {
   absl::MutexLock lock(&mu_);
   return serving_ && rank < ranks_.size() && ranks_[rank].connected;
+}
+
+absl::Status Engine::AwaitExportLocked() {
+  auto done = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return !export_active_ || !serving_; };
+  mu_.Await(absl::Condition(&done));
+  return CheckServing();
+}
+
+absl::StatusOr<slidedp::v1::ExportHFResponse> Engine::ExportHF(
+    const slidedp::v1::ExportHFRequest& r) {
+  HfExportOptions o;
+  switch (r.dtype()) {
+    case slidedp::v1::DTYPE_UNSPECIFIED:
+    case slidedp::v1::DTYPE_BF16:
+      o.dtype = ExportDtype::kBf16;
+      break;
+    case slidedp::v1::DTYPE_FP32:
+      o.dtype = ExportDtype::kFp32;
+      break;
+    default:
+      return absl::InvalidArgumentError(absl::StrCat(
+          "dtype: expected DTYPE_BF16 or DTYPE_FP32, got ", static_cast<int>(r.dtype())));
+  }
+  o.max_shard_bytes = r.max_shard_bytes();
+  o.overwrite = r.overwrite();
+  o.isa = isa_;
+  o.cancelled = [this] { return stopping_.load(); };
+  // Fast checks before waiting for a step boundary.
+  ASSIGN_OR_RETURN(o.out_dir, CheckExportDestination(r.out_dir(), r.overwrite()));
+  uint64_t version = 0;
+  {
+    absl::MutexLock lock(&mu_);
+    RETURN_IF_ERROR(CheckJob(r.job_id()));
+    if (export_active_) {
+      return absl::FailedPreconditionError("another HF export is running; retry once it is done");
+    }
+    o.config_json = !r.config_json().empty() ? r.config_json() : state_->model().config_json;
+    RETURN_IF_ERROR(ExportConfigJson(o.config_json, state_->model().manifest, o.dtype).status());
+    export_active_ = true;
+    auto boundary = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+      return (running_step_ == 0 && seals_pending_ == 0) || !serving_;
+    };
+    absl::Status ready = absl::OkStatus();
+    if (!mu_.AwaitWithTimeout(absl::Condition(&boundary), absl::Minutes(10))) {
+      ready = absl::DeadlineExceededError(
+          absl::StrCat("step ", running_step_,
+                       " did not complete within 10 minutes; the export waits for a "
+                       "step boundary"));
+    }
+    if (ready.ok()) ready = CheckServing();
+    if (ready.ok()) ready = CheckNotTornLocked();
+    if (ready.ok() && client_layers_trained_) {
+      std::vector<std::string> names;
+      for (uint32_t l : client_layers_) {
+        names.push_back(absl::StrCat(l, " '", state_->layers()[l].name, "'"));
+      }
+      ready = absl::FailedPreconditionError(absl::StrCat(
+          "layers ", absl::StrJoin(names, ", "),
+          " are updated by the ranks (client_updated_layers): hostd's copy of them is the initial "
+          "one, so an export would mix trained and untrained weights; export from the training "
+          "job (save_pretrained) instead"));
+    }
+    version = next_step_ - 1;
+    if (ready.ok()) {
+      for (uint32_t l = 0; l < state_->num_layers(); ++l) {
+        if (state_->committed_version(l) != version) {
+          ready = absl::InternalError(absl::StrCat("layer ", l, " is at version ",
+                                                   state_->committed_version(l), ", expected ",
+                                                   version, " at the step boundary"));
+          break;
+        }
+      }
+    }
+    if (!ready.ok()) {
+      export_active_ = false;
+      return ready;
+    }
+  }
+  spdlog::info("exporting version {} as HF {} to {}", version,
+               o.dtype == ExportDtype::kFp32 ? "fp32" : "bf16", o.out_dir);
+  absl::StatusOr<HfExportResult> done = ExportHf(*state_, o, pool_.get());
+  {
+    absl::MutexLock lock(&mu_);
+    export_active_ = false;
+    if (done.ok()) exports_completed_++;
+    if (serving_ && running_step_ == 0 && queued_step_ != 0) {
+      StartStepLocked(std::exchange(queued_step_, 0));
+    }
+  }
+  if (!done.ok()) {
+    spdlog::error("HF export to {} failed: {}", o.out_dir, done.status().ToString());
+    return done.status();
+  }
+  spdlog::info("exported {} tensors ({:.1f} MiB) in {} file(s) to {} in {:.2f} s", done->tensors,
+               static_cast<double>(done->tensor_bytes) / (1 << 20), done->files.size(),
+               done->out_dir, done->seconds);
+  slidedp::v1::ExportHFResponse resp;
+  resp.set_out_dir(done->out_dir);
+  resp.set_version(version);
+  for (const std::string& f : done->files) resp.add_files(f);
+  resp.set_tensor_bytes(done->tensor_bytes);
+  resp.set_tensors(done->tensors);
+  resp.set_seconds(done->seconds);
+  resp.set_dtype(o.dtype == ExportDtype::kFp32 ? slidedp::v1::DTYPE_FP32 : slidedp::v1::DTYPE_BF16);
+  return resp;
 }
 
 void Engine::MonitorLoop() {

@@ -31,6 +31,7 @@
 // in CreateJob, which initializes the state before it returns.
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <deque>
@@ -91,6 +92,13 @@ class Engine {
   slidedp::v1::GetConfigResponse GetConfig() const;
   absl::StatusOr<slidedp::v1::UpdateHyperParamsResponse> UpdateHyperParams(
       const slidedp::v1::UpdateHyperParamsRequest& r);
+  // Writes the job's weights as an HF model directory (hf_export.h) at a step boundary: waits
+  // (up to 10 min, then DEADLINE_EXCEEDED) for the running step to complete, holds the next one
+  // (BeginStep blocks, a queued step is not started) while the files are written on the calling
+  // thread (the casts on the update pool, idle meanwhile), then releases it. FAILED_PRECONDITION
+  // when another export runs, the state is torn, or layers are updated by the ranks
+  // (client_updated_layers) and a step has run: hostd's copy of them is stale.
+  absl::StatusOr<slidedp::v1::ExportHFResponse> ExportHF(const slidedp::v1::ExportHFRequest& r);
 
   // --- sessions (one per attached rank; the service's stream handler drives these) ---
   // Validates the token and marks the rank connected.
@@ -111,6 +119,10 @@ class Engine {
   // Blocks until `layer` reaches `version` or `timeout` passes (DEADLINE_EXCEEDED).
   absl::Status WaitLayerVersion(uint32_t layer, uint64_t version,
                                 std::chrono::milliseconds timeout);
+
+  // The checkpoint hook: records that the state of `step` was checkpointed now (GetStats'
+  // checkpoint_last_step and checkpoint_age_seconds, the metrics endpoint).
+  void NoteCheckpoint(uint64_t step);
 
   TrainingState* state() const { return state_.get(); }
   UpdateWorker* worker() const { return worker_.get(); }
@@ -150,6 +162,8 @@ class Engine {
   void BumpAbortEpochLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Waits (bounded) until the worker has sealed every aborted step.
   absl::Status AwaitSealsLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Waits while an ExportHF holds the steps (UNAVAILABLE if hostd stops meanwhile).
+  absl::Status AwaitExportLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // FAILED_PRECONDITION naming the torn layers, if any.
   absl::Status CheckNotTornLocked() const ABSL_SHARED_LOCKS_REQUIRED(mu_);
   std::string TornMessageLocked() const ABSL_SHARED_LOCKS_REQUIRED(mu_);
@@ -196,6 +210,16 @@ class Engine {
   std::vector<LayerUpdateResult> step_layers_ ABSL_GUARDED_BY(mu_);       // of running_step_
   std::vector<LayerUpdateResult> last_step_layers_ ABSL_GUARDED_BY(mu_);  // last completed
   uint32_t seals_pending_ ABSL_GUARDED_BY(mu_) = 0;  // aborted steps the worker has not sealed
+  // Step timing and traffic (GetStats fields 140+).
+  std::chrono::steady_clock::time_point step_started_ ABSL_GUARDED_BY(mu_);
+  uint64_t last_completed_step_ ABSL_GUARDED_BY(mu_) = 0;
+  double last_step_seconds_ ABSL_GUARDED_BY(mu_) = 0;
+  double step_seconds_sum_ ABSL_GUARDED_BY(mu_) = 0;
+  std::vector<uint64_t> step_seconds_buckets_ ABSL_GUARDED_BY(mu_);
+  uint64_t param_bytes_published_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t checkpoint_step_ ABSL_GUARDED_BY(mu_) = 0;
+  std::optional<std::chrono::steady_clock::time_point> checkpoint_time_ ABSL_GUARDED_BY(mu_);
+  uint64_t exports_completed_ ABSL_GUARDED_BY(mu_) = 0;
   std::vector<uint32_t> torn_layers_ ABSL_GUARDED_BY(mu_);
   std::vector<double> last_grad_norm_ ABSL_GUARDED_BY(mu_);
   std::string comm_id_ ABSL_GUARDED_BY(mu_);
@@ -203,7 +227,10 @@ class Engine {
   bool comm_published_ ABSL_GUARDED_BY(mu_) = false;
   uint64_t token_counter_ ABSL_GUARDED_BY(mu_) = 0;
   bool monitor_stop_ ABSL_GUARDED_BY(mu_) = false;
-  std::thread monitor_;  // heartbeat deadlines; started by Init, joined by Shutdown
+  // An ExportHF is writing: no step starts (BeginStep waits, a queued step stays queued).
+  bool export_active_ ABSL_GUARDED_BY(mu_) = false;
+  std::atomic<bool> stopping_{false};  // set by Shutdown; polled by a running export
+  std::thread monitor_;                // heartbeat deadlines; started by Init, joined by Shutdown
 };
 
 }  // namespace slidedp::hostd

@@ -10,11 +10,13 @@
 #include <cstdlib>
 #include <iostream>
 #include <map>
+#include <memory>
 #include <string>
 
 #include "absl/strings/str_cat.h"
 #include "hostd/config.h"
 #include "hostd/engine.h"
+#include "hostd/metrics.h"
 #include "hostd/notify.h"
 #include "hostd/service.h"
 #include "spdlog/spdlog.h"
@@ -74,6 +76,21 @@ int main(int argc, char** argv) {
     notifier.Status("startup failed: " + engine.status().ToString());
     return 1;
   }
+  // Metrics first: once the control socket exists, everything hostd serves is up.
+  std::unique_ptr<slidedp::hostd::MetricsServer> metrics;
+  if (!config.metrics_listen.empty() && config.metrics_listen != "off") {
+    auto started = slidedp::hostd::MetricsServer::Start(engine->get(), config.metrics_listen);
+    if (!started.ok()) {
+      spdlog::error("startup failed: {}", started.status().ToString());
+      notifier.Status("startup failed: " + started.status().ToString());
+      (*engine)->Shutdown(/*remove_state=*/true);
+      return 1;
+    }
+    metrics = std::move(*started);
+    const std::string& l = config.metrics_listen;
+    spdlog::info("serving metrics on http://{}:{}/metrics", l.substr(0, l.rfind(':')),
+                 metrics->port());
+  }
   ControlServer::Options so;
   so.socket_path = config.socket;
   so.listen_tcp = config.listen_tcp;
@@ -82,6 +99,7 @@ int main(int argc, char** argv) {
   if (!server.ok()) {
     spdlog::error("startup failed: {}", server.status().ToString());
     notifier.Status("startup failed: " + server.status().ToString());
+    metrics.reset();
     (*engine)->Shutdown(/*remove_state=*/true);
     return 1;
   }
@@ -107,6 +125,7 @@ int main(int argc, char** argv) {
   spdlog::info("received {}, stopping", sig == SIGTERM ? "SIGTERM" : "SIGINT");
   notifier.Stopping();
   notifier.Stop();
+  metrics.reset();
   (*engine)->Shutdown(/*remove_state=*/true);
   (*server)->Shutdown(2000);
   (*server)->Wait();

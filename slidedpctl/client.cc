@@ -150,4 +150,8 @@ absl::StatusOr<v1::GetConfigResponse> ControlClient::GetConfig() {
                                      v1::GetConfigRequest());
 }
 
+absl::StatusOr<v1::ExportHFResponse> ControlClient::ExportHF(const v1::ExportHFRequest& request) {
+  return Call<v1::ExportHFResponse>(&v1::Control::StubInterface::ExportHF, request);
+}
+
 }  // namespace slidedp::ctl

@@ -67,6 +67,10 @@ class ControlClient {
   absl::StatusOr<v1::ListRanksResponse> ListRanks(const std::string& job_id);
   absl::StatusOr<v1::GetStatsResponse> GetStats(const std::string& job_id);
   absl::StatusOr<v1::GetConfigResponse> GetConfig();
+  absl::StatusOr<v1::ExportHFResponse> ExportHF(const v1::ExportHFRequest& request);
+
+  // The deadline of the calls that follow (e.g. longer for an export).
+  void set_timeout_ms(int64_t timeout_ms) { timeout_ms_ = timeout_ms; }
 
  private:
   template <typename Response, typename Request, typename Method>

@@ -1,11 +1,16 @@
 #include "slidedpctl/ctl.h"
 
+#include <signal.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cstdint>
 #include <cstdlib>
 #include <exception>
+#include <filesystem>
+#include <fstream>
 #include <optional>
+#include <sstream>
 #include <string>
 #include <utility>
 
@@ -13,6 +18,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/string_view.h"
 #include "common/version.h"
@@ -23,6 +29,7 @@
 #include "slidedpctl/json_convert.h"
 #include "slidedpctl/machine.h"
 #include "slidedpctl/render.h"
+#include "slidedpctl/watch.h"
 
 namespace slidedp::ctl {
 namespace {
@@ -204,6 +211,87 @@ int RunConfigShow(const Context& ctx, bool toml) {
       });
 }
 
+struct ExportOptions {
+  std::string out;
+  std::string dtype = "bf16";
+  std::string max_shard_size;
+  std::string config;
+  bool overwrite = false;
+  int64_t timeout_s = 3600;
+};
+
+// The export runs in hostd (it owns the state); this only names the directory and waits.
+int RunExport(const Context& ctx, const std::string& job_id, const ExportOptions& o) {
+  v1::ExportHFRequest request;
+  request.set_job_id(job_id);
+  std::error_code ec;
+  // hostd has its own working directory: send an absolute path.
+  request.set_out_dir(std::filesystem::absolute(o.out, ec).lexically_normal().string());
+  if (o.dtype == "bf16") {
+    request.set_dtype(v1::DTYPE_BF16);
+  } else if (o.dtype == "fp32") {
+    request.set_dtype(v1::DTYPE_FP32);
+  } else {
+    ctx.err << "slidedpctl: --dtype: '" << o.dtype << "', expected bf16 or fp32\n";
+    return kExitUsage;
+  }
+  if (!o.max_shard_size.empty()) {
+    std::optional<uint64_t> bytes = ParseByteSize(o.max_shard_size);
+    if (!bytes || *bytes == 0) {
+      ctx.err << "slidedpctl: --max-shard-size: '" << o.max_shard_size
+              << "' is not a positive size (e.g. 5GiB, 500M, 1000000)\n";
+      return kExitUsage;
+    }
+    request.set_max_shard_bytes(*bytes);
+  }
+  if (!o.config.empty()) {
+    std::ifstream f(o.config);
+    std::stringstream text;
+    text << f.rdbuf();
+    if (!f) {
+      ctx.err << "slidedpctl: --config: cannot read '" << o.config << "'\n";
+      return kExitUsage;
+    }
+    request.set_config_json(text.str());
+  }
+  request.set_overwrite(o.overwrite);
+  absl::StatusOr<Session> session = Open(ctx);
+  if (!session.ok()) return Report(ctx, DescribeRpcFailure(ctx, "Handshake", session.status()));
+  session->client.set_timeout_ms(o.timeout_s * 1000);
+  absl::StatusOr<v1::ExportHFResponse> r = session->client.ExportHF(request);
+  if (!r.ok()) return Report(ctx, DescribeRpcFailure(ctx, "ExportHF", r.status()));
+  if (ctx.options.json) {
+    PrintJson(ProtoToJson(*r), ctx.out);
+  } else {
+    ctx.out << "exported version " << r->version() << " (" << r->tensors() << " tensors, "
+            << absl::StrFormat("%.1f MiB", static_cast<double>(r->tensor_bytes()) / (1 << 20))
+            << ", " << (r->dtype() == v1::DTYPE_FP32 ? "fp32" : "bf16") << ") to " << r->out_dir()
+            << " in " << absl::StrFormat("%.2f s", r->seconds()) << ": "
+            << absl::StrJoin(r->files(), ", ") << '\n';
+  }
+  return kExitOk;
+}
+
+std::atomic<bool> g_interrupted{false};
+
+int RunWatchCmd(const Context& ctx, const WatchOptions& o) {
+  absl::StatusOr<Session> session = Open(ctx);
+  if (!session.ok()) return Report(ctx, DescribeRpcFailure(ctx, "Handshake", session.status()));
+  // Ctrl-C ends the watch cleanly (exit 0) instead of killing the process mid-line.
+  g_interrupted.store(false);
+  struct sigaction sa {};
+  struct sigaction old_int {};
+  sa.sa_handler = [](int) { g_interrupted.store(true); };
+  sigemptyset(&sa.sa_mask);
+  sigaction(SIGINT, &sa, &old_int);
+  WatchOptions with_json = o;
+  with_json.json = ctx.options.json;
+  const int rc =
+      RunWatch(session->client, with_json, ctx.out, ctx.err, [] { return g_interrupted.load(); });
+  sigaction(SIGINT, &old_int, nullptr);
+  return rc;
+}
+
 struct EstimateOptions {
   std::string model;
   uint32_t gpus = 0;
@@ -338,6 +426,40 @@ int Run(const std::vector<std::string>& args, std::ostream& out, std::ostream& e
                    "memory of one GPU, e.g. 80GiB (default: nvidia-smi's smallest GPU, else the "
                    "GPU figures are unchecked)")
       ->type_name("SIZE");
+  ExportOptions exp;
+  CLI::App* export_cmd = app.add_subcommand(
+      "export",
+      "write the job's weights as an HF model directory (safetensors + config.json) that "
+      "transformers loads; hostd writes it at a step boundary");
+  export_cmd->add_option("--out", exp.out, "output directory (on hostd's machine)")
+      ->type_name("DIR")
+      ->required();
+  export_cmd
+      ->add_option("--dtype", exp.dtype,
+                   "bf16 (the weights the ranks train on) or fp32 "
+                   "(the master)")
+      ->capture_default_str();
+  export_cmd
+      ->add_option("--max-shard-size", exp.max_shard_size,
+                   "largest shard, e.g. 2GiB (default 5GiB)")
+      ->type_name("SIZE");
+  export_cmd
+      ->add_option("--config", exp.config,
+                   "the model's config.json (only for a job created over RPC)")
+      ->type_name("FILE");
+  export_cmd->add_flag("--overwrite", exp.overwrite, "replace a non-empty output directory");
+  export_cmd->add_option("--export-timeout-s", exp.timeout_s, "how long to wait for the export")
+      ->check(CLI::Range(int64_t{1}, int64_t{86400}))
+      ->capture_default_str();
+  export_cmd->add_option("--job", job_id, "job id (default: the daemon's job)")->type_name("ID");
+  WatchOptions watch;
+  CLI::App* watch_cmd = app.add_subcommand(
+      "watch", "live per-step table (one line per poll with new steps) until Ctrl-C or --steps");
+  watch_cmd->add_option("--interval", watch.interval_s, "seconds between polls")
+      ->check(CLI::Range(0.05, 3600.0))
+      ->capture_default_str();
+  watch_cmd->add_option("--steps", watch.steps, "stop after this many new steps (0: never)")
+      ->capture_default_str();
   CLI::App* doctor_cmd = app.add_subcommand(
       "doctor", "check host settings hostd depends on (memlock, /dev/shm, THP, NUMA, GPUs)");
 
@@ -398,6 +520,8 @@ int Run(const std::vector<std::string>& args, std::ostream& out, std::ostream& e
   if (ranks_cmd->parsed()) return RunRanks(ctx, job_id);
   if (stats_cmd->parsed()) return RunStats(ctx, job_id);
   if (config_show_cmd->parsed()) return RunConfigShow(ctx, toml);
+  if (export_cmd->parsed()) return RunExport(ctx, job_id, exp);
+  if (watch_cmd->parsed()) return RunWatchCmd(ctx, watch);
   err << "slidedpctl: no command given\nRun 'slidedpctl --help' for usage.\n";
   return kExitUsage;
 }

@@ -439,11 +439,35 @@ TEST(CtlUsageTest, UnknownSubcommandExits2) {
   EXPECT_THAT(r.out, IsEmpty());
   EXPECT_EQ(r.err,
             "slidedpctl: unknown command \"frobnicate\"; expected one of: version, status, layers, "
-            "ranks, stats, config, estimate, doctor\nRun 'slidedpctl --help' for usage.\n");
+            "ranks, stats, config, estimate, export, watch, doctor\nRun 'slidedpctl --help' for "
+            "usage.\n");
   const CtlResult nested = Ctl({"config", "frobnicate"});
   EXPECT_EQ(nested.code, kExitUsage);
   EXPECT_THAT(nested.err, StartsWith("slidedpctl: unknown command \"frobnicate\"; expected one of: "
                                      "show\n"));
+}
+
+// export and watch check their own options before contacting hostd.
+TEST(CtlUsageTest, ExportAndWatchBadOptionsExit2) {
+  struct Case {
+    std::vector<std::string> args;
+    std::string message;
+  };
+  for (const Case& c : std::vector<Case>{
+           {{"export"}, "--out is required"},
+           {{"export", "--out", "/tmp/x", "--dtype", "fp16"},
+            "--dtype: 'fp16', expected bf16 or fp32"},
+           {{"export", "--out", "/tmp/x", "--max-shard-size", "lots"},
+            "--max-shard-size: 'lots' is not a positive size"},
+           {{"export", "--out", "/tmp/x", "--max-shard-size", "0"}, "is not a positive size"},
+           {{"export", "--out", "/tmp/x", "--config", "/nonexistent/config.json"},
+            "--config: cannot read '/nonexistent/config.json'"},
+           {{"watch", "--interval", "0"}, "--interval"},
+       }) {
+    const CtlResult r = Ctl(c.args);
+    EXPECT_EQ(r.code, kExitUsage) << absl::StrJoin(c.args, " ") << ": " << r.err;
+    EXPECT_THAT(r.err, HasSubstr(c.message)) << absl::StrJoin(c.args, " ");
+  }
 }
 
 TEST(CtlUsageTest, MalformedInvocationsExit2) {

@@ -1,0 +1,366 @@
+#include "hostd/hf_export.h"
+
+#include <fcntl.h>
+#include <stdio.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <filesystem>
+#include <memory>
+#include <system_error>
+#include <utility>
+
+#include "absl/cleanup/cleanup.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "common/status_macros.h"
+#include "common/thread_pool.h"
+#include "hostd/manifest.h"
+#include "hostd/state.h"
+#include "nlohmann/json.hpp"
+
+namespace slidedp::hostd {
+namespace {
+
+namespace fs = std::filesystem;
+using ordered_json = nlohmann::ordered_json;
+
+// Thread ranges of the cast start on whole cache lines of BF16 output.
+constexpr size_t kCastAlignElements = 1024;
+
+uint64_t ElementBytes(ExportDtype dtype) { return dtype == ExportDtype::kFp32 ? 4 : 2; }
+const char* SafetensorsName(ExportDtype dtype) {
+  return dtype == ExportDtype::kFp32 ? "F32" : "BF16";
+}
+const char* TorchName(ExportDtype dtype) {
+  return dtype == ExportDtype::kFp32 ? "float32" : "bfloat16";
+}
+
+absl::Status ErrnoAt(absl::string_view what, const std::string& path, int err = errno) {
+  return ErrnoStatus(absl::StrCat(what, " ", path), err);
+}
+
+// A file descriptor, closed on destruction.
+class Fd {
+ public:
+  explicit Fd(int fd = -1) : fd_(fd) {}
+  Fd(Fd&& o) noexcept : fd_(std::exchange(o.fd_, -1)) {}
+  Fd& operator=(Fd&& o) noexcept {
+    if (this != &o) {
+      Reset();
+      fd_ = std::exchange(o.fd_, -1);
+    }
+    return *this;
+  }
+  Fd(const Fd&) = delete;
+  Fd& operator=(const Fd&) = delete;
+  ~Fd() { Reset(); }
+  int get() const { return fd_; }
+  int Release() { return std::exchange(fd_, -1); }
+  void Reset() {
+    if (fd_ >= 0) close(fd_);
+    fd_ = -1;
+  }
+
+ private:
+  int fd_;
+};
+
+absl::Status FsyncPath(const std::string& path, bool directory) {
+  Fd fd(open(path.c_str(), (directory ? O_RDONLY | O_DIRECTORY : O_RDONLY) | O_CLOEXEC));
+  if (fd.get() < 0) return ErrnoAt("open", path);
+  if (fsync(fd.get()) != 0) return ErrnoAt("fsync", path);
+  return absl::OkStatus();
+}
+
+// A file being written in the export directory.
+class OutFile {
+ public:
+  static absl::StatusOr<OutFile> Create(std::string path) {
+    Fd fd(open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644));
+    if (fd.get() < 0) return ErrnoAt("create", path);
+    return OutFile(std::move(path), std::move(fd));
+  }
+  absl::Status Write(const void* data, size_t n) {
+    const char* p = static_cast<const char*>(data);
+    while (n > 0) {
+      const ssize_t w = write(fd_.get(), p, n);
+      if (w < 0) {
+        if (errno == EINTR) continue;
+        return ErrnoAt("write", path_);
+      }
+      p += w;
+      n -= static_cast<size_t>(w);
+    }
+    return absl::OkStatus();
+  }
+  absl::Status Write(std::string_view s) { return Write(s.data(), s.size()); }
+  // fsync, then close (a close error after a failed writeback is reported too).
+  absl::Status Finish() {
+    if (fsync(fd_.get()) != 0) return ErrnoAt("fsync", path_);
+    if (close(fd_.Release()) != 0) return ErrnoAt("close", path_);
+    return absl::OkStatus();
+  }
+
+ private:
+  OutFile(std::string path, Fd fd) : path_(std::move(path)), fd_(std::move(fd)) {}
+  std::string path_;
+  Fd fd_;
+};
+
+absl::Status WriteTextFile(const std::string& path, std::string_view text) {
+  ASSIGN_OR_RETURN(OutFile f, OutFile::Create(path));
+  RETURN_IF_ERROR(f.Write(text));
+  return f.Finish();
+}
+
+// The safetensors header of one shard, padded with spaces to a multiple of 8 bytes (as the
+// reference writer does, so the data section starts aligned).
+std::string ShardHeader(const TrainingState& state, const ExportShard& shard, ExportDtype dtype) {
+  ordered_json h = ordered_json::object();
+  h["__metadata__"] = {{"format", "pt"}};
+  uint64_t offset = 0;
+  const auto& layers = state.model().manifest.layers();
+  for (const auto& [l, t] : shard.tensors) {
+    const auto& spec = layers.Get(static_cast<int>(l)).tensors(static_cast<int>(t));
+    const uint64_t bytes = TensorNumel(spec) * ElementBytes(dtype);
+    ordered_json shape = ordered_json::array();
+    for (int64_t d : spec.shape()) shape.push_back(d);
+    h[spec.name()] = {{"dtype", SafetensorsName(dtype)},
+                      {"shape", std::move(shape)},
+                      {"data_offsets", {offset, offset + bytes}}};
+    offset += bytes;
+  }
+  std::string text = h.dump();
+  text.append((8 - text.size() % 8) % 8, ' ');
+  return text;
+}
+
+// Streams one tensor's elements [0, numel) from the FP32 master.
+absl::Status WriteTensor(OutFile& out, const float* master, uint64_t numel,
+                         const HfExportOptions& o, std::vector<uint16_t>& buffer,
+                         ThreadPool* pool) {
+  const uint64_t chunk = kExportBufferBytes / ElementBytes(o.dtype);
+  for (uint64_t i = 0; i < numel; i += chunk) {
+    if (o.cancelled && o.cancelled()) return absl::CancelledError("the export was cancelled");
+    const uint64_t n = std::min(chunk, numel - i);
+    if (o.dtype == ExportDtype::kFp32) {
+      RETURN_IF_ERROR(out.Write(master + i, n * 4));
+      continue;
+    }
+    const float* src = master + i;
+    uint16_t* dst = buffer.data();
+    if (pool != nullptr && n >= 2 * kCastAlignElements) {
+      pool->ParallelFor(n, kCastAlignElements, [&](size_t b, size_t e, int) {
+        kernels::CastFp32ToBf16(o.isa, src + b, dst + b, e - b);
+      });
+    } else {
+      kernels::CastFp32ToBf16(o.isa, src, dst, n);
+    }
+    RETURN_IF_ERROR(out.Write(dst, n * 2));
+  }
+  return absl::OkStatus();
+}
+
+std::string GenerationConfig(const ordered_json& config) {
+  ordered_json g = ordered_json::object();
+  g["_from_model_config"] = true;
+  bool any = false;
+  for (const char* key : {"bos_token_id", "eos_token_id", "pad_token_id"}) {
+    auto it = config.find(key);
+    if (it != config.end() && !it->is_null()) {
+      g[key] = *it;
+      any = true;
+    }
+  }
+  return any ? g.dump(2) + "\n" : std::string();
+}
+
+}  // namespace
+
+std::vector<ExportShard> PlanExportShards(const slidedp::v1::ModelManifest& manifest,
+                                          ExportDtype dtype, uint64_t max_shard_bytes) {
+  if (max_shard_bytes == 0) max_shard_bytes = kDefaultMaxShardBytes;
+  std::vector<ExportShard> shards;
+  for (int l = 0; l < manifest.layers_size(); ++l) {
+    const auto& layer = manifest.layers(l);
+    for (int t = 0; t < layer.tensors_size(); ++t) {
+      const uint64_t bytes = TensorNumel(layer.tensors(t)) * ElementBytes(dtype);
+      if (shards.empty() ||
+          (!shards.back().tensors.empty() && shards.back().bytes + bytes > max_shard_bytes)) {
+        shards.emplace_back();
+      }
+      shards.back().tensors.emplace_back(static_cast<uint32_t>(l), static_cast<uint32_t>(t));
+      shards.back().bytes += bytes;
+    }
+  }
+  if (shards.size() == 1) {
+    shards[0].file = "model.safetensors";
+  } else {
+    for (size_t i = 0; i < shards.size(); ++i) {
+      shards[i].file = absl::StrFormat("model-%05d-of-%05d.safetensors", i + 1, shards.size());
+    }
+  }
+  return shards;
+}
+
+absl::StatusOr<std::string> ExportConfigJson(std::string_view config_json,
+                                             const slidedp::v1::ModelManifest& manifest,
+                                             ExportDtype dtype) {
+  if (config_json.empty()) {
+    return absl::InvalidArgumentError(
+        "config_json: the job has no HF config (it was created over RPC); pass the model's "
+        "config.json text");
+  }
+  auto described = ManifestFromHfConfig(config_json, "config_json");
+  if (!described.ok()) return described.status();
+  if (ManifestHash(described->manifest) != ManifestHash(manifest)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "config_json: describes a model with manifest hash ",
+        ManifestHashHex(ManifestHash(described->manifest)), " but the job's is ",
+        ManifestHashHex(ManifestHash(manifest)), "; pass the config of the job's model"));
+  }
+  ordered_json config = ordered_json::parse(config_json.begin(), config_json.end());
+  config["torch_dtype"] = TorchName(dtype);
+  if (config.contains("dtype")) config["dtype"] = TorchName(dtype);
+  config["tie_word_embeddings"] = manifest.tie_word_embeddings();
+  return config.dump(2) + "\n";
+}
+
+absl::StatusOr<std::string> CheckExportDestination(const std::string& out_dir, bool overwrite) {
+  if (out_dir.empty() || out_dir.front() != '/') {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "out_dir: expected an absolute path (hostd writes it, in its own working directory), "
+        "got '",
+        out_dir, "'"));
+  }
+  fs::path p = fs::path(out_dir).lexically_normal();
+  if (p.has_filename() == false) p = p.parent_path();  // a trailing '/'
+  if (p == p.root_path()) {
+    return absl::InvalidArgumentError("out_dir: expected a directory below '/', got '/'");
+  }
+  std::error_code ec;
+  const fs::path parent = p.parent_path();
+  const fs::file_status ps = fs::status(parent, ec);
+  if (!fs::exists(ps)) {
+    return absl::NotFoundError(
+        absl::StrCat("out_dir: the parent directory ", parent.string(), " does not exist"));
+  }
+  if (!fs::is_directory(ps)) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("out_dir: ", parent.string(), " is not a directory"));
+  }
+  const fs::file_status st = fs::symlink_status(p, ec);
+  if (fs::exists(st)) {
+    if (!fs::is_directory(st)) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("out_dir: ", p.string(), " exists and is not a directory"));
+    }
+    if (!overwrite && !fs::is_empty(p, ec)) {
+      return absl::AlreadyExistsError(absl::StrCat(
+          "out_dir: ", p.string(),
+          " exists and is not empty; choose another directory or pass overwrite (slidedpctl "
+          "export --overwrite) to replace it"));
+    }
+  }
+  return p.string();
+}
+
+absl::StatusOr<HfExportResult> ExportHf(const TrainingState& state, const HfExportOptions& o,
+                                        ThreadPool* pool) {
+  const auto t0 = std::chrono::steady_clock::now();
+  const slidedp::v1::ModelManifest& manifest = state.model().manifest;
+  ASSIGN_OR_RETURN(const std::string out, CheckExportDestination(o.out_dir, o.overwrite));
+  ASSIGN_OR_RETURN(const std::string config_text,
+                   ExportConfigJson(o.config_json, manifest, o.dtype));
+  const std::string tmp = out + ".tmp";
+  std::error_code ec;
+  if (fs::exists(fs::symlink_status(tmp, ec))) {
+    if (!fs::is_directory(fs::symlink_status(tmp, ec)) ||
+        !fs::exists(fs::path(tmp) / kExportMarkerFile, ec)) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("out_dir: ", tmp,
+                       " exists and is not an unfinished export of hostd; remove it or choose "
+                       "another out_dir"));
+    }
+    fs::remove_all(tmp, ec);
+    if (ec) return ErrnoAt("remove the unfinished export", tmp, ec.value());
+  }
+  if (mkdir(tmp.c_str(), 0755) != 0) return ErrnoAt("mkdir", tmp);
+  bool keep = false;
+  absl::Cleanup remove_tmp = [&] {
+    if (!keep) {
+      std::error_code ignored;
+      fs::remove_all(tmp, ignored);
+    }
+  };
+  const std::string marker = absl::StrCat(tmp, "/", std::string(kExportMarkerFile));
+  RETURN_IF_ERROR(WriteTextFile(marker, "hostd is writing this export\n"));
+
+  HfExportResult result;
+  result.out_dir = out;
+  const std::vector<ExportShard> shards = PlanExportShards(manifest, o.dtype, o.max_shard_bytes);
+  std::vector<uint16_t> buffer;
+  if (o.dtype == ExportDtype::kBf16) buffer.resize(kExportBufferBytes / 2);
+  ordered_json weight_map = ordered_json::object();
+  for (const ExportShard& shard : shards) {
+    const std::string path = absl::StrCat(tmp, "/", shard.file);
+    ASSIGN_OR_RETURN(OutFile f, OutFile::Create(path));
+    const std::string header = ShardHeader(state, shard, o.dtype);
+    unsigned char len[8];
+    for (int i = 0; i < 8; ++i) len[i] = static_cast<unsigned char>(header.size() >> (8 * i));
+    RETURN_IF_ERROR(f.Write(len, 8));
+    RETURN_IF_ERROR(f.Write(header));
+    for (const auto& [l, t] : shard.tensors) {
+      const TensorRange& range = state.layers()[l].tensors[t];
+      RETURN_IF_ERROR(
+          Annotate(WriteTensor(f, state.master(l) + range.offset, range.numel, o, buffer, pool),
+                   absl::StrCat("tensor '", range.name, "'")));
+      weight_map[range.name] = shard.file;
+      result.tensors++;
+    }
+    RETURN_IF_ERROR(f.Finish());
+    result.tensor_bytes += shard.bytes;
+    result.files.push_back(shard.file);
+  }
+  if (shards.size() > 1) {
+    ordered_json index = {{"metadata", {{"total_size", result.tensor_bytes}}},
+                          {"weight_map", std::move(weight_map)}};
+    RETURN_IF_ERROR(
+        WriteTextFile(absl::StrCat(tmp, "/model.safetensors.index.json"), index.dump(2) + "\n"));
+    result.files.push_back("model.safetensors.index.json");
+  }
+  RETURN_IF_ERROR(WriteTextFile(absl::StrCat(tmp, "/config.json"), config_text));
+  result.files.push_back("config.json");
+  const std::string generation =
+      GenerationConfig(ordered_json::parse(o.config_json.begin(), o.config_json.end()));
+  if (!generation.empty()) {
+    RETURN_IF_ERROR(WriteTextFile(absl::StrCat(tmp, "/generation_config.json"), generation));
+    result.files.push_back("generation_config.json");
+  }
+  if (unlink(marker.c_str()) != 0) return ErrnoAt("unlink", marker);
+  RETURN_IF_ERROR(FsyncPath(tmp, /*directory=*/true));
+
+  // rename(2) replaces an empty directory; a non-empty one (overwrite) is swapped atomically and
+  // the old content, now at tmp, removed.
+  const bool exists = fs::exists(fs::symlink_status(out, ec));
+  if (exists && !fs::is_empty(out, ec)) {
+    if (renameat2(AT_FDCWD, tmp.c_str(), AT_FDCWD, out.c_str(), RENAME_EXCHANGE) != 0) {
+      return ErrnoAt(absl::StrCat("rename ", tmp, " to"), out);
+    }
+    keep = false;  // tmp now holds the old out_dir
+  } else {
+    if (rename(tmp.c_str(), out.c_str()) != 0) {
+      return ErrnoAt(absl::StrCat("rename ", tmp, " to"), out);
+    }
+    keep = true;
+  }
+  std::move(remove_tmp).Invoke();
+  RETURN_IF_ERROR(FsyncPath(fs::path(out).parent_path().string(), /*directory=*/true));
+  result.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  return result;
+}
+
+}  // namespace slidedp::hostd

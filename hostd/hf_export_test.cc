@@ -1,0 +1,374 @@
+#include "hostd/hf_export.h"
+
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <future>
+#include <random>
+#include <set>
+#include <sstream>
+
+#include "absl/strings/str_format.h"
+#include "common/thread_pool.h"
+#include "gtest/gtest.h"
+#include "hostd/engine.h"
+#include "hostd/safetensors.h"
+#include "hostd/state.h"
+#include "hostd/test_util.h"
+#include "kernels/cpu/bf16.h"
+#include "nlohmann/json.hpp"
+
+namespace slidedp::hostd {
+namespace {
+
+namespace fs = std::filesystem;
+using json = nlohmann::json;
+using testing::UniqueInstance;
+
+struct TempDir {
+  TempDir() {
+    char tmpl[] = "/tmp/slidedp-export-test-XXXXXX";
+    path = mkdtemp(tmpl);
+  }
+  ~TempDir() {
+    std::error_code ec;
+    fs::permissions(path, fs::perms::owner_all, fs::perm_options::add, ec);
+    fs::remove_all(path, ec);
+  }
+  std::string path;
+};
+
+std::unique_ptr<TrainingState> MakeState(const std::string& model) {
+  auto loaded = LoadModel(model);
+  EXPECT_TRUE(loaded.ok()) << loaded.status();
+  TrainingState::Options o;
+  o.instance = UniqueInstance("export");
+  o.model = *loaded;
+  o.model.manifest.set_manifest_hash(ManifestHashHex(ManifestHash(o.model.manifest)));
+  o.seed = 11;
+  o.mlock = MlockPolicy::kBestEffort;
+  auto s = TrainingState::Create(o, nullptr);
+  EXPECT_TRUE(s.ok()) << s.status();
+  if (!s.ok()) return nullptr;
+  (*s)->set_remove_on_destroy(true);
+  return std::move(*s);
+}
+
+std::string ReadText(const std::string& path) {
+  std::ifstream f(path);
+  std::stringstream ss;
+  ss << f.rdbuf();
+  return ss.str();
+}
+
+std::set<std::string> Listing(const std::string& dir) {
+  std::set<std::string> names;
+  for (const auto& e : fs::directory_iterator(dir)) names.insert(e.path().filename().string());
+  return names;
+}
+
+// Every manifest tensor is in the checkpoint with the manifest's shape and exactly `expect`'s
+// bytes; the checkpoint has no other tensor.
+template <typename Expect>
+void CheckTensors(const TrainingState& s, const std::string& dir, SafetensorsDtype dtype,
+                  Expect expect) {
+  auto ckpt = SafetensorsCheckpoint::Open(dir);
+  ASSERT_TRUE(ckpt.ok()) << ckpt.status();
+  size_t count = 0;
+  for (const LayerInfo& l : s.layers()) {
+    for (size_t t = 0; t < l.tensors.size(); ++t) {
+      const TensorRange& r = l.tensors[t];
+      const auto* e = (*ckpt)->Find(r.name);
+      ASSERT_NE(e, nullptr) << r.name;
+      EXPECT_EQ(e->tensor->dtype, dtype) << r.name;
+      const auto& spec =
+          s.model().manifest.layers(static_cast<int>(l.index)).tensors(static_cast<int>(t));
+      ASSERT_EQ(e->tensor->shape.size(), static_cast<size_t>(spec.shape_size())) << r.name;
+      for (int d = 0; d < spec.shape_size(); ++d) {
+        EXPECT_EQ(e->tensor->shape[d], static_cast<uint64_t>(spec.shape(d))) << r.name;
+      }
+      const size_t bytes = r.numel * SafetensorsDtypeBytes(dtype);
+      std::vector<unsigned char> got(bytes);
+      ASSERT_TRUE(e->file->Read(*e->tensor, 0, got.data(), bytes).ok());
+      EXPECT_EQ(std::memcmp(got.data(), expect(l.index, r.offset), bytes), 0) << r.name;
+      count++;
+    }
+  }
+  EXPECT_EQ((*ckpt)->tensors().size(), count);
+}
+
+TEST(HfExportTest, Fp32SingleFileIsTheMasterBitForBit) {
+  auto s = MakeState("tiny");
+  ASSERT_NE(s, nullptr);
+  TempDir tmp;
+  HfExportOptions o;
+  o.out_dir = tmp.path + "/out";
+  o.dtype = ExportDtype::kFp32;
+  o.config_json = s->model().config_json;
+  auto r = ExportHf(*s, o, nullptr);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->files, (std::vector<std::string>{"model.safetensors", "config.json"}));
+  EXPECT_EQ(Listing(o.out_dir), (std::set<std::string>{"model.safetensors", "config.json"}));
+  EXPECT_FALSE(fs::exists(o.out_dir + ".tmp"));
+  EXPECT_EQ(r->tensor_bytes, s->total_params() * 4);
+  CheckTensors(*s, o.out_dir, SafetensorsDtype::kF32, [&](uint32_t l, uint64_t off) {
+    return static_cast<const void*>(s->master(l) + off);
+  });
+  const json config = json::parse(ReadText(o.out_dir + "/config.json"));
+  EXPECT_EQ(config.at("torch_dtype"), "float32");
+  EXPECT_EQ(config.at("tie_word_embeddings"), false);
+  EXPECT_EQ(config.at("model_type"), "qwen3");
+  // The header carries format "pt" (transformers refuses other formats).
+  auto file = SafetensorsFile::Open(o.out_dir + "/model.safetensors");
+  ASSERT_TRUE(file.ok());
+  EXPECT_EQ((*file)->header().metadata.at("format"), "pt");
+  EXPECT_EQ((*file)->header().data_offset % 8, 0u);
+}
+
+TEST(HfExportTest, Bf16ShardsWithIndexEqualTheServedParams) {
+  for (const char* model : {"tiny", "tiny-tied"}) {
+    SCOPED_TRACE(model);
+    auto s = MakeState(model);
+    ASSERT_NE(s, nullptr);
+    ThreadPool::Options po;
+    po.num_threads = 2;
+    auto pool = ThreadPool::Create(po);
+    ASSERT_TRUE(pool.ok());
+    TempDir tmp;
+    HfExportOptions o;
+    o.out_dir = tmp.path + "/out/";  // a trailing '/' is normalized away
+    o.max_shard_bytes = 40000;       // the 512x64 embedding (64 KiB) gets a shard of its own
+    o.config_json = s->model().config_json;
+    auto r = ExportHf(*s, o, pool->get());
+    ASSERT_TRUE(r.ok()) << r.status();
+    const std::string out = tmp.path + "/out";
+    EXPECT_EQ(r->out_dir, out);
+    const auto shards = PlanExportShards(s->model().manifest, ExportDtype::kBf16, 40000);
+    ASSERT_GT(shards.size(), 3u);
+    EXPECT_EQ(shards[0].file, absl::StrFormat("model-00001-of-%05d.safetensors", shards.size()));
+    EXPECT_EQ(shards[0].tensors.size(), 1u);  // the embedding alone, over the limit
+    for (const ExportShard& sh : shards) {
+      EXPECT_TRUE(sh.bytes <= 40000 || sh.tensors.size() == 1) << sh.file;
+      EXPECT_TRUE(fs::exists(out + "/" + sh.file)) << sh.file;
+    }
+    const json index = json::parse(ReadText(out + "/model.safetensors.index.json"));
+    EXPECT_EQ(index.at("metadata").at("total_size"), s->total_params() * 2);
+    EXPECT_FALSE(fs::exists(out + "/model.safetensors"));
+    EXPECT_EQ(index.at("weight_map").contains("lm_head.weight"), std::string(model) == "tiny");
+    CheckTensors(*s, out, SafetensorsDtype::kBF16, [&](uint32_t l, uint64_t off) {
+      return static_cast<const void*>(s->params(l) + off);
+    });
+    const json config = json::parse(ReadText(out + "/config.json"));
+    EXPECT_EQ(config.at("torch_dtype"), "bfloat16");
+    EXPECT_EQ(config.at("tie_word_embeddings"), std::string(model) == "tiny-tied");
+  }
+}
+
+TEST(HfExportTest, GenerationConfigWhenTheConfigNamesTokens) {
+  auto s = MakeState("tiny");
+  ASSERT_NE(s, nullptr);
+  json config = json::parse(s->model().config_json);
+  config["eos_token_id"] = 2;
+  config["bos_token_id"] = 1;
+  TempDir tmp;
+  HfExportOptions o;
+  o.out_dir = tmp.path + "/out";
+  o.config_json = config.dump();
+  auto r = ExportHf(*s, o, nullptr);
+  ASSERT_TRUE(r.ok()) << r.status();
+  const json g = json::parse(ReadText(o.out_dir + "/generation_config.json"));
+  EXPECT_EQ(g.at("eos_token_id"), 2);
+  EXPECT_EQ(g.at("bos_token_id"), 1);
+  EXPECT_FALSE(g.contains("pad_token_id"));
+}
+
+TEST(HfExportTest, BadDestinationsAndConfigs) {
+  auto s = MakeState("tiny");
+  ASSERT_NE(s, nullptr);
+  TempDir tmp;
+  HfExportOptions o;
+  o.config_json = s->model().config_json;
+  auto expect = [&](const std::string& out, absl::StatusCode code, const std::string& text) {
+    o.out_dir = out;
+    auto r = ExportHf(*s, o, nullptr);
+    ASSERT_FALSE(r.ok()) << out;
+    EXPECT_EQ(r.status().code(), code) << r.status();
+    EXPECT_NE(r.status().message().find(text), std::string::npos) << r.status();
+  };
+  expect("relative/out", absl::StatusCode::kInvalidArgument, "out_dir: expected an absolute path");
+  expect("/", absl::StatusCode::kInvalidArgument, "below '/'");
+  expect(tmp.path + "/missing/out", absl::StatusCode::kNotFound, "does not exist");
+  { std::ofstream(tmp.path + "/file") << "x"; }
+  expect(tmp.path + "/file/out", absl::StatusCode::kFailedPrecondition, "is not a directory");
+  expect(tmp.path + "/file", absl::StatusCode::kFailedPrecondition,
+         "exists and is not a directory");
+  fs::create_directory(tmp.path + "/full");
+  { std::ofstream(tmp.path + "/full/keep.txt") << "user data"; }
+  expect(tmp.path + "/full", absl::StatusCode::kAlreadyExists, "exists and is not empty");
+  EXPECT_TRUE(fs::exists(tmp.path + "/full/keep.txt"));
+  // A "<out>.tmp" that is not an unfinished export is never removed.
+  fs::create_directory(tmp.path + "/x.tmp");
+  expect(tmp.path + "/x", absl::StatusCode::kFailedPrecondition, "not an unfinished export");
+  EXPECT_TRUE(fs::exists(tmp.path + "/x.tmp"));
+  // The config must describe this model.
+  auto other = LoadModel("tiny-tied");
+  ASSERT_TRUE(other.ok());
+  o.config_json = other->config_json;
+  expect(tmp.path + "/y", absl::StatusCode::kInvalidArgument, "config_json: describes a model");
+  o.config_json = "";
+  expect(tmp.path + "/y", absl::StatusCode::kInvalidArgument, "config_json: the job has no HF");
+  o.config_json = R"({"model_type": "gpt2"})";
+  expect(tmp.path + "/y", absl::StatusCode::kInvalidArgument, "model_type");
+  EXPECT_FALSE(fs::exists(tmp.path + "/y"));
+  EXPECT_FALSE(fs::exists(tmp.path + "/y.tmp"));
+  o.config_json = s->model().config_json;
+  // Cancelled in the middle: nothing left under either name.
+  o.cancelled = [] { return true; };
+  expect(tmp.path + "/z", absl::StatusCode::kCancelled, "cancelled");
+  EXPECT_FALSE(fs::exists(tmp.path + "/z"));
+  EXPECT_FALSE(fs::exists(tmp.path + "/z.tmp"));
+  o.cancelled = nullptr;
+  if (geteuid() != 0) {  // root writes anywhere
+    fs::create_directory(tmp.path + "/ro");
+    fs::permissions(tmp.path + "/ro", fs::perms::owner_read | fs::perms::owner_exec);
+    expect(tmp.path + "/ro/out", absl::StatusCode::kPermissionDenied, "mkdir");
+  }
+}
+
+TEST(HfExportTest, OverwriteReplacesAndLeftoverTmpIsRemoved) {
+  auto s = MakeState("tiny");
+  ASSERT_NE(s, nullptr);
+  TempDir tmp;
+  const std::string out = tmp.path + "/out";
+  fs::create_directory(out);
+  { std::ofstream(out + "/old.txt") << "old"; }
+  // An unfinished export (marker present) is removed by the next one.
+  fs::create_directory(out + ".tmp");
+  { std::ofstream(out + ".tmp/" + std::string(kExportMarkerFile)) << ""; }
+  { std::ofstream(out + ".tmp/model-00001-of-00002.safetensors") << "partial"; }
+  HfExportOptions o;
+  o.out_dir = out;
+  o.overwrite = true;
+  o.dtype = ExportDtype::kFp32;
+  o.config_json = s->model().config_json;
+  auto r = ExportHf(*s, o, nullptr);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(Listing(out), (std::set<std::string>{"model.safetensors", "config.json"}));
+  EXPECT_FALSE(fs::exists(out + ".tmp"));
+  // An empty out_dir is used without overwrite.
+  fs::create_directory(tmp.path + "/empty");
+  o.out_dir = tmp.path + "/empty";
+  o.overwrite = false;
+  r = ExportHf(*s, o, nullptr);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_TRUE(fs::exists(tmp.path + "/empty/model.safetensors"));
+}
+
+TEST(HfExportTest, PlanPutsEveryTensorOnceInOrder) {
+  auto m = LoadModel("tiny");
+  ASSERT_TRUE(m.ok());
+  for (uint64_t max : {uint64_t{0}, uint64_t{1}, uint64_t{10000}, uint64_t{1} << 40}) {
+    const auto shards = PlanExportShards(m->manifest, ExportDtype::kFp32, max);
+    std::vector<std::pair<uint32_t, uint32_t>> all;
+    for (const auto& sh : shards) all.insert(all.end(), sh.tensors.begin(), sh.tensors.end());
+    size_t expected = 0;
+    for (const auto& l : m->manifest.layers()) expected += static_cast<size_t>(l.tensors_size());
+    ASSERT_EQ(all.size(), expected) << max;
+    for (size_t i = 1; i < all.size(); ++i) EXPECT_LT(all[i - 1], all[i]);
+    if (max == 1) {
+      EXPECT_EQ(shards.size(), expected);  // one tensor per shard
+    }
+    if (max == 0 || max == (uint64_t{1} << 40)) {
+      ASSERT_EQ(shards.size(), 1u);
+      EXPECT_EQ(shards[0].file, "model.safetensors");
+    }
+  }
+}
+
+// Engine::ExportHF: bad input, and the step boundary: an export asked for while a step's updates
+// are outstanding waits for the step to complete and exports its version.
+TEST(HfExportEngineTest, WaitsForTheStepBoundaryAndValidatesInput) {
+  TempDir tmp;
+  HostdConfig config;
+  config.instance = UniqueInstance("exp-eng");
+  config.socket = tmp.path + "/hostd.sock";
+  config.model = "tiny";
+  config.update_threads = 2;
+  config.mlock = "best_effort";
+  config.optimizer.set_lr(1e-3);
+  config.routes.set_chunk_bytes(16 << 20);
+  auto created = Engine::Create(config);
+  ASSERT_TRUE(created.ok()) << created.status();
+  std::unique_ptr<Engine> engine = std::move(*created);
+  TrainingState* s = engine->state();
+
+  slidedp::v1::ExportHFRequest req;
+  req.set_out_dir(tmp.path + "/bad");
+  req.set_dtype(static_cast<slidedp::v1::DType>(7));
+  auto bad = engine->ExportHF(req);
+  EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(bad.status().message().find("dtype: expected DTYPE_BF16 or DTYPE_FP32, got 7"),
+            std::string::npos)
+      << bad.status();
+  req.set_dtype(slidedp::v1::DTYPE_BF16);
+  req.set_job_id("nope");
+  EXPECT_EQ(engine->ExportHF(req).status().code(), absl::StatusCode::kNotFound);
+  req.set_job_id("");
+  req.set_out_dir("rel");
+  EXPECT_EQ(engine->ExportHF(req).status().code(), absl::StatusCode::kInvalidArgument);
+
+  std::vector<std::vector<uint16_t>> grads;
+  std::mt19937 rng(1);
+  std::normal_distribution<float> d(0, 1e-2f);
+  for (const LayerInfo& l : s->layers()) {
+    grads.emplace_back(l.numel);
+    for (auto& x : grads.back()) x = kernels::RoundToBf16(d(rng));
+  }
+  const uint32_t n = s->num_layers();
+  // Step 1 runs: every layer but layer 0 has its gradient.
+  for (uint32_t l = n; l-- > 1;) {
+    ASSERT_TRUE(
+        engine->SubmitGradient(l, 1, {grads[l].data(), kernels::GradType::kBf16, grads[l].size()})
+            .ok());
+  }
+  req.set_out_dir(tmp.path + "/out");
+  auto exported = std::async(std::launch::async, [&] { return engine->ExportHF(req); });
+  EXPECT_EQ(exported.wait_for(std::chrono::milliseconds(300)), std::future_status::timeout);
+  ASSERT_TRUE(
+      engine->SubmitGradient(0, 1, {grads[0].data(), kernels::GradType::kBf16, grads[0].size()})
+          .ok());
+  auto r = exported.get();
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->version(), 1u);
+  EXPECT_EQ(r->dtype(), slidedp::v1::DTYPE_BF16);
+  for (uint32_t l = 0; l < n; ++l) EXPECT_EQ(s->committed_version(l), 1u);
+  CheckTensors(*s, tmp.path + "/out", SafetensorsDtype::kBF16, [&](uint32_t l, uint64_t off) {
+    return static_cast<const void*>(s->params(l) + off);
+  });
+  // A second export into the same, now non-empty, directory is refused unless overwrite.
+  auto again = engine->ExportHF(req);
+  EXPECT_EQ(again.status().code(), absl::StatusCode::kAlreadyExists) << again.status();
+  req.set_overwrite(true);
+  req.set_dtype(slidedp::v1::DTYPE_FP32);
+  r = engine->ExportHF(req);
+  ASSERT_TRUE(r.ok()) << r.status();
+  CheckTensors(*s, tmp.path + "/out", SafetensorsDtype::kF32, [&](uint32_t l, uint64_t off) {
+    return static_cast<const void*>(s->master(l) + off);
+  });
+  // A step can run after the export (nothing is left held).
+  for (uint32_t l = n; l-- > 0;) {
+    ASSERT_TRUE(
+        engine->SubmitGradient(l, 2, {grads[l].data(), kernels::GradType::kBf16, grads[l].size()})
+            .ok());
+  }
+  for (uint32_t l = 0; l < n; ++l) {
+    ASSERT_TRUE(engine->WaitLayerVersion(l, 2, std::chrono::seconds(10)).ok());
+  }
+  engine->Shutdown(/*remove_state=*/true);
+}
+
+}  // namespace
+}  // namespace slidedp::hostd
