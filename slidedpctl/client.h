@@ -67,10 +67,13 @@ class ControlClient {
   absl::StatusOr<v1::ListRanksResponse> ListRanks(const std::string& job_id);
   absl::StatusOr<v1::GetStatsResponse> GetStats(const std::string& job_id);
   absl::StatusOr<v1::GetConfigResponse> GetConfig();
+  // `timeout_ms` replaces the client's deadline (a waiting checkpoint takes as long as the write).
+  absl::StatusOr<v1::CheckpointResponse> Checkpoint(const std::string& job_id, bool wait,
+                                                    const std::string& dir, int64_t timeout_ms);
 
  private:
   template <typename Response, typename Request, typename Method>
-  absl::StatusOr<Response> Call(Method method, const Request& request);
+  absl::StatusOr<Response> Call(Method method, const Request& request, int64_t timeout_ms = 0);
 
   std::unique_ptr<v1::Control::StubInterface> stub_;
   int64_t timeout_ms_;
