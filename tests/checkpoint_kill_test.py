@@ -83,7 +83,7 @@ class CheckpointKillTest(unittest.TestCase):
         r = subprocess.run([SLIDEDPCTL, "--socket", self.socket, "status", "--json"],
                            capture_output=True, text=True, timeout=60)
         self.assertEqual(r.returncode, 0, r.stderr)
-        job = json.loads(r.stdout).get("job", {})
+        job = json.loads(r.stdout).get("job") or {}
         return int(job.get("step", 0)), job
 
     def test_kill_during_checkpoint_writes(self):

@@ -168,6 +168,10 @@ class CheckpointResumeTest(unittest.TestCase):
         self.assertEqual(int(status["job"]["last_checkpoint_step"]), 8, status["job"])
         self.assertGreaterEqual(int(stats.get("checkpoints_committed", 0)), 2, stats)
         self.assertIn("checkpoint_stall_seconds", json.dumps(stats))
+        print(f"phase A: {stats.get('checkpoints_committed')} checkpoints while training, "
+              f"layers pooled {stats.get('checkpoint_layers_snapshotted', 0)}, written live "
+              f"{stats.get('checkpoint_layers_written_live', 0)}, stall "
+              f"{stats.get('checkpoint_stall_seconds', 0)} s", flush=True)
         hostd_log = self.stop(proc, instance, log)
         self.assertIn("checkpoint of step 10 committed", hostd_log)
         self.assert_state(layers_a, self.reference(10, 2), 10, "phase A")
@@ -188,7 +192,11 @@ class CheckpointResumeTest(unittest.TestCase):
         stamps = self.train(socket, 1, 16, "B")
         layers_b = json.loads(self.ctl(socket, "layers", "--json", "--checksums"))
         self.stop(proc, instance, log)
-        self.assert_state(layers_b, self.reference(16, 2, 4, 1), 16, "resume step 4 with R=1")
+        ref_b = self.reference(16, 2, 4, 1)
+        # The schedule matters at the bit level (rank sums, 1/R scaling): the comparison can fail.
+        self.assertNotEqual([x["checksum"] for x in ref_b["layers"]],
+                            [x["checksum"] for x in self.reference(16, 2)["layers"]])
+        self.assert_state(layers_b, ref_b, 16, "resume step 4 with R=1")
         self.check_stamps(stamps, 5, 16)
 
         # Phase C: resume the directory (its newest checkpoint, step 10) with four ranks.

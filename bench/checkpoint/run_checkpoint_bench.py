@@ -79,7 +79,7 @@ def main():
         def poll():
             while not stop.is_set():
                 try:
-                    job = json.loads(ctl("status", "--json", check=False) or "{}").get("job", {})
+                    job = json.loads(ctl("status", "--json", check=False) or "{}").get("job") or {}
                     inflight.append((time.time(), int(job.get("checkpoint_in_flight_step", 0))))
                 except (ValueError, subprocess.SubprocessError):
                     pass
@@ -107,7 +107,7 @@ def main():
         # Let the last checkpoint commit before reading the counters.
         deadline = time.time() + 600
         while time.time() < deadline:
-            job = json.loads(ctl("status", "--json")).get("job", {})
+            job = json.loads(ctl("status", "--json")).get("job") or {}
             if int(job.get("checkpoint_in_flight_step", 0)) == 0:
                 break
             time.sleep(0.05)
