@@ -271,13 +271,17 @@ CheckpointStats Checkpointer::stats() const {
 void Checkpointer::BeforeLayerWrite(uint32_t layer, uint64_t step) {
   std::unique_lock<std::mutex> lock(mu_);
   if (!active_ || step <= step_ || layer >= layers_.size()) return;
-  if (layers_[layer] != LayerState::kPending && layers_[layer] != LayerState::kWritingLive) return;
+  auto busy = [&] {
+    const LayerState st = layers_[layer];
+    return st == LayerState::kPending || st == LayerState::kCopying ||
+           st == LayerState::kWritingLive;
+  };
+  if (!busy()) return;
   const LayerInfo& info = state_->layers()[layer];
   const uint64_t bytes = 3 * info.numel * sizeof(float);
   const auto t0 = Clock::now();
   bool waited = false;
-  while (active_ && step_ < step &&
-         (layers_[layer] == LayerState::kPending || layers_[layer] == LayerState::kWritingLive)) {
+  while (active_ && step_ < step && busy()) {
     if (layers_[layer] == LayerState::kPending &&
         pool_used_ + bytes <= options_.snapshot_pool_bytes) {
       layers_[layer] = LayerState::kSnapshotted;
@@ -359,30 +363,56 @@ void Checkpointer::RunCheckpoint(std::unique_lock<std::mutex>& lock) {
           absl::StrCat("checkpoint of step ", step, " cancelled: ", cancel_reason_));
       break;
     }
-    // Pooled copies first (they free room an update may be waiting for), then the layer an
-    // update waits for, then live layers at version t, highest first.
+    // 1. Capture: copy a layer at version t into the pool while there is room (the layer an
+    //    update waits for first, then highest first, the order the next step updates them),
+    //    so updates find it captured and never wait for the disk.
+    // 2. Write the pooled copies (highest first), freeing room.
+    // 3. No room: write a layer at version t straight from the live state (an update that
+    //    needs it meanwhile waits: the stall).
+    auto ready = [&](uint32_t l) {
+      return layers_[l] == LayerState::kPending && state_->committed_version(l) >= step;
+    };
     int64_t pick = -1;
+    if (wanted_layer_ >= 0 && ready(static_cast<uint32_t>(wanted_layer_))) {
+      pick = wanted_layer_;
+    } else {
+      for (uint32_t l = num_layers; l-- > 0;) {
+        if (ready(l)) {
+          pick = l;
+          break;
+        }
+      }
+    }
+    if (pick >= 0) {
+      const uint32_t l = static_cast<uint32_t>(pick);
+      const uint64_t n = state_->layers()[l].numel;
+      if (pool_used_ + 3 * n * sizeof(float) <= options_.snapshot_pool_bytes) {
+        layers_[l] = LayerState::kCopying;
+        pool_used_ += 3 * n * sizeof(float);
+        stats_.pool_high_water_bytes = std::max(stats_.pool_high_water_bytes, pool_used_);
+        lock.unlock();
+        Snapshot copy;
+        copy.numel = n;
+        copy.data = std::make_unique_for_overwrite<float[]>(3 * n);
+        std::memcpy(copy.data.get(), state_->master(l), n * sizeof(float));
+        std::memcpy(copy.data.get() + n, state_->exp_avg(l), n * sizeof(float));
+        std::memcpy(copy.data.get() + 2 * n, state_->exp_avg_sq(l), n * sizeof(float));
+        lock.lock();
+        snapshots_[l] = std::move(copy);
+        layers_[l] = LayerState::kSnapshotted;
+        stats_.layers_copied_by_writer++;
+        cv_.notify_all();
+        continue;
+      }
+    }
     Snapshot snap;
     if (!snapshots_.empty()) {
       auto it = std::prev(snapshots_.end());
       pick = it->first;
       snap = std::move(it->second);
       snapshots_.erase(it);
-    } else {
-      auto ready = [&](uint32_t l) {
-        return layers_[l] == LayerState::kPending && state_->committed_version(l) >= step;
-      };
-      if (wanted_layer_ >= 0 && ready(static_cast<uint32_t>(wanted_layer_))) {
-        pick = wanted_layer_;
-      } else {
-        for (uint32_t l = num_layers; l-- > 0;) {
-          if (ready(l)) {
-            pick = l;
-            break;
-          }
-        }
-      }
-      if (pick >= 0) layers_[static_cast<size_t>(pick)] = LayerState::kWritingLive;
+    } else if (pick >= 0) {
+      layers_[static_cast<size_t>(pick)] = LayerState::kWritingLive;
     }
     if (pick < 0) {
       if (std::all_of(layers_.begin(), layers_.end(),

@@ -7,12 +7,15 @@
 //   - the update worker calls BeforeLayerWrite(layer, step) before it writes a layer (a hook set
 //     with UpdateWorker::SetBeforeWriteHook); for step t + 1 and a layer not yet captured, it
 //     copies the layer into a bounded snapshot pool (with the update pool's threads) and goes on;
-//   - a writer thread writes pooled layers to disk and frees their room, and writes layers still
-//     at version t (committed >= t, not yet captured) straight from the live state, highest
-//     layer first (the order the next step updates them);
-//   - when the pool has no room for a layer, or the writer is writing that layer from the live
-//     state, the update waits: that wait is the checkpoint's stall (stats().stall_seconds); the
-//     copy itself is counted as snapshot_seconds.
+//   - a writer thread captures layers that have reached version t (committed >= t, not yet
+//     captured) into the pool with a memcpy, highest layer first (the order the next step
+//     updates them), while there is room; writes pooled layers to disk and frees their room;
+//     and, when the pool is full, writes a layer at version t straight from the live state;
+//   - when the pool has no room for a layer, or the writer is copying or writing that layer
+//     from the live state, the update waits: that wait is the checkpoint's stall
+//     (stats().stall_seconds); the update's own copy is counted as snapshot_seconds.
+// With a pool as large as the state the writer captures every layer at memcpy speed and the
+// updates wait at most for one layer's copy; with a small pool they wait for the disk.
 // The files go through CheckpointDirWriter (checkpoint_format.h): temp directory, fsyncs,
 // rename, directory fsync, commit marker last; keep_last older committed ones are pruned after
 // the new one is committed.
@@ -68,12 +71,13 @@ struct CheckpointStats {
   uint64_t checkpoints_started = 0;
   uint64_t checkpoints_committed = 0;
   uint64_t checkpoints_failed = 0;
-  uint64_t bytes_written = 0;        // layer files of every checkpoint
-  double write_seconds = 0;          // writer busy time (layer files)
-  double stall_seconds = 0;          // updates waiting on the checkpoint
-  double snapshot_seconds = 0;       // updates copying layers into the pool
-  uint64_t layers_snapshotted = 0;   // captured through the pool
-  uint64_t layers_written_live = 0;  // written straight from the live state
+  uint64_t bytes_written = 0;            // layer files of every checkpoint
+  double write_seconds = 0;              // writer busy time (layer files)
+  double stall_seconds = 0;              // updates waiting on the checkpoint
+  double snapshot_seconds = 0;           // updates copying layers into the pool
+  uint64_t layers_snapshotted = 0;       // copied into the pool by an update (its hook)
+  uint64_t layers_copied_by_writer = 0;  // copied into the pool by the writer
+  uint64_t layers_written_live = 0;      // written straight from the live state
   uint64_t pool_high_water_bytes = 0;
   double last_seconds = 0;   // request to commit, of the last committed checkpoint
   double last_mb_per_s = 0;  // its layer bytes / its duration
@@ -124,7 +128,10 @@ class Checkpointer {
   CheckpointStats stats() const;
 
  private:
-  enum class LayerState { kPending, kSnapshotted, kWritingLive, kDone };
+  // kPending: at or below version t, not captured; kCopying: the writer copies it into the
+  // pool; kSnapshotted: its copy is in the pool (or being made by an update); kWritingLive: the
+  // writer writes it from the live state; kDone: written.
+  enum class LayerState { kPending, kCopying, kSnapshotted, kWritingLive, kDone };
   struct Snapshot {
     std::unique_ptr<float[]> data;  // master | m | v
     uint64_t numel = 0;

@@ -127,9 +127,11 @@ TEST_F(CheckpointTest, ConsistentWhileTrainingAndRestores) {
     }
     const CheckpointStats st = cp.stats();
     EXPECT_EQ(st.checkpoints_committed, 1u);
-    EXPECT_EQ(st.layers_snapshotted + st.layers_written_live, state->num_layers());
+    EXPECT_EQ(st.layers_snapshotted + st.layers_copied_by_writer + st.layers_written_live,
+              state->num_layers());
     if (pool_bytes == 0) {
-      EXPECT_EQ(st.layers_snapshotted, 0u);
+      EXPECT_EQ(st.layers_snapshotted + st.layers_copied_by_writer, 0u);
+      EXPECT_EQ(st.pool_high_water_bytes, 0u);
     }
   }
 }

@@ -1227,6 +1227,7 @@ absl::StatusOr<slidedp::v1::GetStatsResponse> Engine::GetStats(
   resp.set_checkpoint_layers_snapshotted(cs.layers_snapshotted);
   resp.set_checkpoint_layers_written_live(cs.layers_written_live);
   resp.set_checkpoint_pool_high_water_bytes(cs.pool_high_water_bytes);
+  resp.set_checkpoint_layers_copied_by_writer(cs.layers_copied_by_writer);
   return resp;
 }
 

@@ -158,15 +158,17 @@ class CheckpointResumeTest(unittest.TestCase):
         proc, socket, instance, log = self.start_hostd(2, "--checkpoint.every_steps", "4")
         self.train(socket, 2, 10, "A")
         layers_a = json.loads(self.ctl(socket, "layers", "--json", "--checksums"))
-        deadline = time.time() + 20  # the checkpoint of step 8 may still be committing
+        # Steps 4 and 8 are due; a checkpoint still in flight when the next is due makes hostd
+        # skip that one (logged), which a loaded machine can cause for step 8.
+        deadline = time.time() + 20
         while True:
             status = json.loads(self.ctl(socket, "status", "--json"))
-            if int(status["job"].get("last_checkpoint_step", 0)) == 8 or time.time() > deadline:
+            if int(status["job"].get("checkpoint_in_flight_step", 0)) == 0 or \
+                    time.time() > deadline:
                 break
             time.sleep(0.05)
         stats = json.loads(self.ctl(socket, "stats", "--json"))
-        self.assertEqual(int(status["job"]["last_checkpoint_step"]), 8, status["job"])
-        self.assertGreaterEqual(int(stats.get("checkpoints_committed", 0)), 2, stats)
+        self.assertIn(int(status["job"]["last_checkpoint_step"]), (4, 8), status["job"])
         self.assertIn("checkpoint_stall_seconds", json.dumps(stats))
         print(f"phase A: {stats.get('checkpoints_committed')} checkpoints while training, "
               f"layers pooled {stats.get('checkpoint_layers_snapshotted', 0)}, written live "
@@ -179,8 +181,9 @@ class CheckpointResumeTest(unittest.TestCase):
         listing = json.loads(subprocess.run(
             [SLIDEDPCTL, "checkpoints", "--dir", self.ckpt, "--verify", "--json"],
             capture_output=True, text=True, timeout=60, check=True).stdout)
-        self.assertEqual([(int(x["step"]), x["valid"]) for x in listing],
-                         [(10, True), (8, True), (4, True)], listing)
+        steps = [int(x["step"]) for x in listing]
+        self.assertTrue(all(x["valid"] for x in listing), listing)
+        self.assertIn(steps, ([10, 8, 4], [10, 4]), listing)
 
         # Phase B: resume the step-4 directory itself with one rank, to step 16.
         step4 = os.path.join(self.ckpt, "step-%012d" % 4)

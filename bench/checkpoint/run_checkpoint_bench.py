@@ -149,6 +149,7 @@ def main():
         "last_checkpoint_mb_per_s": float(stats.get("last_checkpoint_mb_per_s", 0)),
         "layers_snapshotted": int(stats.get("checkpoint_layers_snapshotted", 0)),
         "layers_written_live": int(stats.get("checkpoint_layers_written_live", 0)),
+        "layers_copied_by_writer": int(stats.get("checkpoint_layers_copied_by_writer", 0)),
         "pool_high_water_bytes": int(stats.get("checkpoint_pool_high_water_bytes", 0)),
     }
     if without and with_ck:
