@@ -12,6 +12,7 @@
 #include <limits>
 #include <map>
 #include <sstream>
+#include <tuple>
 #include <utility>
 
 #include "CLI/CLI.hpp"
@@ -178,6 +179,21 @@ KeyDescriptor StringKey(std::string name, std::string section, std::string help,
             return absl::OkStatus();
           },
           [field](const HostdConfig& c) { return c.*field; }};
+}
+
+KeyDescriptor StringFnKey(std::string name, std::string section, std::string help,
+                          std::function<std::string(const HostdConfig&)> get,
+                          std::function<void(HostdConfig&, std::string_view)> set) {
+  return {std::move(name),
+          std::move(section),
+          std::move(help),
+          ValueKind::kString,
+          {},
+          [set](HostdConfig& c, std::string_view text) {
+            set(c, text);
+            return absl::OkStatus();
+          },
+          std::move(get)};
 }
 
 KeyDescriptor EnumKey(std::string name, std::string section, std::string help,
@@ -496,6 +512,46 @@ std::vector<KeyDescriptor> BuildKeys() {
                         "daemon's group.",
                         &HostdConfig::shm_group));
 
+  const std::string ckpt = "Checkpoints ([checkpoint] table in the file)";
+  k.push_back(StringFnKey(
+      "checkpoint.dir", ckpt,
+      "Directory of the job's checkpoints (step-<t>/ subdirectories); empty: no checkpoints "
+      "unless a Checkpoint request names a directory.",
+      [](const HostdConfig& c) { return c.checkpoint.dir; },
+      [](HostdConfig& c, std::string_view v) { c.checkpoint.dir = std::string(v); }));
+  k.push_back(UintKey(
+      "checkpoint.every_steps", ckpt,
+      "Write a checkpoint every N completed steps, while training continues; 0: off.",
+      std::numeric_limits<uint64_t>::max(),
+      [](const HostdConfig& c) { return c.checkpoint.every_steps; },
+      [](HostdConfig& c, uint64_t v) { c.checkpoint.every_steps = v; }));
+  k.push_back(UintKey(
+      "checkpoint.keep_last", ckpt,
+      "Keep the newest N committed checkpoints, deleting older ones after each commit; 0: keep "
+      "all.",
+      kU32, [](const HostdConfig& c) { return c.checkpoint.keep_last; },
+      [](HostdConfig& c, uint64_t v) { c.checkpoint.keep_last = static_cast<uint32_t>(v); }));
+  k.push_back(BoolKey(
+      "checkpoint.on_stop", ckpt,
+      "On a clean stop (SIGTERM/SIGINT) write a final checkpoint before removing the state "
+      "(needs checkpoint.dir).",
+      [](const HostdConfig& c) { return c.checkpoint.on_stop; },
+      [](HostdConfig& c, bool v) { c.checkpoint.on_stop = v; }));
+  k.push_back(SizeKey(
+      "checkpoint.snapshot_pool_bytes", ckpt,
+      "Host memory for copies of layers whose next update starts before the checkpoint has "
+      "written them; when it is full, updates wait (the checkpoint stall). 0: auto, the "
+      "state's size when MemAvailable allows, else half of MemAvailable.",
+      [](const HostdConfig& c) { return c.checkpoint.snapshot_pool_bytes; },
+      [](HostdConfig& c, uint64_t v) { c.checkpoint.snapshot_pool_bytes = v; }));
+  k.push_back(StringFnKey(
+      "checkpoint.resume", ckpt,
+      "Start the job from this checkpoint (a checkpoint directory: its newest committed step; "
+      "or a step directory): master, m, v, step and LR schedule position; with model none the "
+      "model comes from the checkpoint, else it must match. Also --resume.",
+      [](const HostdConfig& c) { return c.checkpoint.resume; },
+      [](HostdConfig& c, std::string_view v) { c.checkpoint.resume = std::string(v); }));
+
   const std::string liveness = "Liveness";
   k.push_back(UintKey(
       "heartbeat_interval_ms", liveness, "Interval at which ranks send heartbeats, >= 1.", kU32,
@@ -739,6 +795,12 @@ absl::Status Validate(const HostdConfig& c, const WhereFn& where) {
   if (!in_choices("update_granularity", c.update_granularity)) {
     return fail("update_granularity", not_one_of("update_granularity", c.update_granularity));
   }
+  if (c.checkpoint.every_steps > 0 && c.checkpoint.dir.empty()) {
+    return fail(
+        "checkpoint.every_steps",
+        absl::StrCat("is ", c.checkpoint.every_steps,
+                     " but checkpoint.dir is empty; set checkpoint.dir (or every_steps 0)"));
+  }
   if (!in_choices("mlock", c.mlock)) return fail("mlock", not_one_of("mlock", c.mlock));
   if (!in_choices("shm_mode", c.shm_mode)) {
     return fail("shm_mode", not_one_of("shm_mode", c.shm_mode));
@@ -819,7 +881,8 @@ std::string HelpText(std::string_view program) {
       "  -h, --help\n      Print this help and exit.\n"
       "  --config FILE\n      TOML config file to read.\n      env: SLIDEDP_CONFIG\n"
       "  --print-config\n      Print the effective configuration as TOML, each value commented "
-      "with its\n      source (default, file, env, flag), and exit.\n");
+      "with its\n      source (default, file, env, flag), and exit.\n"
+      "  --resume PATH\n      Alias of --checkpoint.resume.\n");
   std::string section;
   for (const KeyDescriptor& d : Keys()) {
     if (d.section != section) {
@@ -933,7 +996,7 @@ absl::Status ApplyFile(const std::string& path, HostdConfig& c, std::vector<Orig
     }
   }
   std::sort(items.begin(), items.end(), [](const auto& a, const auto& b) {
-    return a.first->source().begin.line < b.first->source().begin.line;
+    return std::get<1>(a)->source().begin.line < std::get<1>(b)->source().begin.line;
   });
   const std::vector<KeyDescriptor>& keys = Keys();
   for (const auto& [key, node] : items) {
@@ -946,7 +1009,8 @@ absl::Status ApplyFile(const std::string& path, HostdConfig& c, std::vector<Orig
     if (it == keys.end()) {
       if (node->is_table()) {
         return KeyError(name, detail,
-                        "is a table; hostd's config file has flat keys only (see hostd --help)");
+                        "is a table; hostd's config file has flat keys and one table, [checkpoint] "
+                        "(see hostd --help)");
       }
       return KeyError(name, detail,
                       absl::StrCat("unknown key", Suggestion(name, ""), "; see hostd --help"));
@@ -1102,6 +1166,10 @@ absl::StatusOr<LoadedConfig> LoadConfig(int argc, const char* const* argv,
   CLI::Option* config_option = app.add_option("--config", config_flag, "TOML config file")
                                    ->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
   app.add_flag("--print-config", out.print_config, "Print the effective configuration");
+  std::string resume_flag;
+  CLI::Option* resume_option =
+      app.add_option("--resume", resume_flag, "Alias of --checkpoint.resume")
+          ->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
   app.add_flag("-h,--help", out.show_help, "Print help");
   if (argc > 0) {
     try {
@@ -1156,6 +1224,18 @@ absl::StatusOr<LoadedConfig> LoadConfig(int argc, const char* const* argv,
     const std::string detail = absl::StrCat("flag --", keys[i].name);
     RETURN_IF_ERROR(SetFrom(keys[i], c, flag_values[i], detail));
     origins[i] = {"flag", detail};
+  }
+
+  if (resume_option->count() > 0) {
+    for (size_t i = 0; i < keys.size(); ++i) {
+      if (keys[i].name != "checkpoint.resume") continue;
+      if (flag_options[i]->count() > 0) {
+        return absl::InvalidArgumentError(
+            "command line: --resume and --checkpoint.resume both given; use one");
+      }
+      RETURN_IF_ERROR(SetFrom(keys[i], c, resume_flag, "flag --resume"));
+      origins[i] = {"flag", "flag --resume"};
+    }
   }
 
   RETURN_IF_ERROR(Validate(c, [&](std::string_view key) {

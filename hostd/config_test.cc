@@ -840,10 +840,16 @@ TEST(ConfigTest, KeyListAndEnvNames) {
                         "heartbeat_interval_ms",
                         "heartbeat_deadline_ms",
                         "metrics.listen",
-                        "metrics.allow_remote"}) {
+                        "metrics.allow_remote",
+                        "checkpoint.dir",
+                        "checkpoint.every_steps",
+                        "checkpoint.keep_last",
+                        "checkpoint.on_stop",
+                        "checkpoint.snapshot_pool_bytes",
+                        "checkpoint.resume"}) {
     EXPECT_NE(std::find(keys.begin(), keys.end(), k), keys.end()) << k;
   }
-  EXPECT_EQ(keys.size(), 36u);
+  EXPECT_EQ(keys.size(), 42u);
   EXPECT_EQ(ConfigEnvName("world_size"), "SLIDEDP_WORLD_SIZE");
   // A key of a TOML table: the dot becomes '_'.
   EXPECT_EQ(ConfigEnvName("metrics.listen"), "SLIDEDP_METRICS_LISTEN");
@@ -857,6 +863,54 @@ TEST(ConfigTest, ProcessEnvironmentKeepsSlidedpVariables) {
   EXPECT_EQ(env.count("NOT_SLIDEDP_CONFIG_TEST_VAR"), 0u);
   unsetenv("SLIDEDP_CONFIG_TEST_VAR");
   unsetenv("NOT_SLIDEDP_CONFIG_TEST_VAR");
+}
+
+}  // namespace
+}  // namespace slidedp::hostd
+
+namespace slidedp::hostd {
+namespace {
+
+TEST(ConfigTest, CheckpointTableFlagsEnvAndResumeAlias) {
+  TempDir dir;
+  const std::string file = dir.Write("ck.toml",
+                                     "lr = 0.001\n"
+                                     "[checkpoint]\n"
+                                     "dir = \"/var/lib/slidedp/ckpt\"\n"
+                                     "every_steps = 100\n"
+                                     "keep_last = 5\n"
+                                     "on_stop = false\n"
+                                     "snapshot_pool_bytes = \"2GiB\"\n");
+  LoadedConfig c = MustLoad({"--config", file});
+  EXPECT_EQ(c.config.checkpoint.dir, "/var/lib/slidedp/ckpt");
+  EXPECT_EQ(c.config.checkpoint.every_steps, 100u);
+  EXPECT_EQ(c.config.checkpoint.keep_last, 5u);
+  EXPECT_FALSE(c.config.checkpoint.on_stop);
+  EXPECT_EQ(c.config.checkpoint.snapshot_pool_bytes, uint64_t{2} << 30);
+  EXPECT_EQ(Entry(c, "checkpoint.dir").source, "file");
+
+  c = MustLoad({"--checkpoint.keep_last", "7", "--resume", "/ck/step-000000000004"},
+               {{"SLIDEDP_CHECKPOINT_DIR", "/env/ck"}});
+  EXPECT_EQ(c.config.checkpoint.dir, "/env/ck");
+  EXPECT_EQ(Entry(c, "checkpoint.dir").source, "env");
+  EXPECT_EQ(c.config.checkpoint.keep_last, 7u);
+  EXPECT_EQ(c.config.checkpoint.resume, "/ck/step-000000000004");
+  EXPECT_EQ(Entry(c, "checkpoint.resume").source, "flag");
+  EXPECT_EQ(ConfigEnvName("checkpoint.every_steps"), "SLIDEDP_CHECKPOINT_EVERY_STEPS");
+
+  // The printed config reads back (dotted keys are TOML's own syntax for the table).
+  const std::string round = dir.Write("round.toml", ConfigToToml(c.entries));
+  EXPECT_EQ(MustLoad({"--config", round}).config.checkpoint.keep_last, 7u);
+
+  absl::StatusOr<LoadedConfig> bad = Load({"--checkpoint.every_steps", "10"});
+  ASSERT_FALSE(bad.ok());
+  EXPECT_THAT(bad.status().message(), HasSubstr("checkpoint.every_steps"));
+  EXPECT_THAT(bad.status().message(), HasSubstr("checkpoint.dir"));
+  bad = Load({"--config", dir.Write("bad.toml", "[checkpoint]\nkeep = 1\n")});
+  ASSERT_FALSE(bad.ok());
+  EXPECT_THAT(bad.status().message(), HasSubstr("checkpoint.keep"));
+  bad = Load({"--resume", "/a", "--checkpoint.resume", "/b"});
+  EXPECT_FALSE(bad.ok());
 }
 
 }  // namespace

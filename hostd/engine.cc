@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <filesystem>
 #include <iterator>
+#include <fstream>
 #include <random>
 #include <utility>
 
@@ -20,6 +21,7 @@
 #include "common/version.h"
 #include "hostd/hf_export.h"
 #include "hostd/hf_import.h"
+#include "hostd/lr_schedule.h"
 #include "hostd/manifest.h"
 #include "hostd/safetensors.h"
 #include "spdlog/spdlog.h"
@@ -92,6 +94,27 @@ absl::StatusOr<kernels::Isa> ChooseIsa(const std::string& name) {
   return *isa;
 }
 
+// MemAvailable of /proc/meminfo in bytes; 0 when unknown.
+uint64_t MemAvailableBytes() {
+  std::ifstream in("/proc/meminfo");
+  std::string key;
+  uint64_t kib = 0;
+  std::string unit;
+  while (in >> key >> kib >> unit) {
+    if (key == "MemAvailable:") return kib * 1024;
+  }
+  return 0;
+}
+
+int64_t UnixMs() {
+  return std::chrono::duration_cast<std::chrono::milliseconds>(
+             std::chrono::system_clock::now().time_since_epoch())
+      .count();
+}
+
+// How long an RPC with wait blocks for a checkpoint to commit.
+constexpr int64_t kCheckpointWaitMs = int64_t{6} * 3600 * 1000;
+
 }  // namespace
 
 slidedp::v1::BuildInfo DaemonBuildInfo() {
@@ -101,9 +124,9 @@ slidedp::v1::BuildInfo DaemonBuildInfo() {
   b.set_protocol_version(kProtocolVersion);
   b.set_shm_abi_version(kShmAbiVersion);
   b.set_component("hostd");
-  for (const char* f :
-       {"cpu_reduction", "gpu_reduction", "reduce_scatter", "chunk_streamed_update",
-        "per_layer_clip", "global_clip", "lr_schedules", "nonfinite_skip", "nccl_rendezvous"}) {
+  for (const char* f : {"cpu_reduction", "gpu_reduction", "reduce_scatter", "chunk_streamed_update",
+                        "per_layer_clip", "global_clip", "lr_schedules", "nonfinite_skip",
+                        "nccl_rendezvous", "checkpoint", "resume"}) {
     b.add_features(f);
   }
   return b;
@@ -140,7 +163,30 @@ absl::Status Engine::Init(std::optional<Topology> topology) {
       topology_.nodes.size(), topology_.cores, topology_.gpus.size(), state_node_,
       worker_cpus_.size(), kernels::IsaName(isa_));
 
-  if (config_.model != "none" && !config_.model.empty()) {
+  if (!config_.checkpoint.resume.empty()) {
+    // Everything about the checkpoint is checked before any memory is committed.
+    auto found = FindLatestCheckpoint(config_.checkpoint.resume);
+    if (!found.ok()) return Annotate(found.status(), "checkpoint.resume");
+    const CheckpointInfo info = std::move(*found);
+    LoadedModel model;
+    std::string model_dir;
+    if (config_.model == "none" || config_.model.empty()) {
+      model.manifest = info.spec.manifest();
+      model.initializer_range = info.initializer_range;
+      model.config_json = info.config_json;
+      model.source = info.model_source;
+    } else {
+      ASSIGN_OR_RETURN(model, LoadModel(config_.model));
+      RETURN_IF_ERROR(Annotate(CheckCheckpointManifest(info, model.manifest), "checkpoint.resume"));
+    }
+    slidedp::v1::JobSpec spec = info.spec;
+    spec.set_job_id(info.job_id);
+    *spec.mutable_routes() = config_.routes;
+    spec.set_world_size(config_.world_size);  // any world size may resume
+    spec.clear_manifest();
+    absl::MutexLock lock(&mu_);
+    RETURN_IF_ERROR(CreateJobLocked(std::move(spec), std::move(model), model_dir, &info));
+  } else if (config_.model != "none" && !config_.model.empty()) {
     ASSIGN_OR_RETURN(LoadedModel model, LoadModel(config_.model));
     slidedp::v1::JobSpec spec;
     spec.set_job_id("default");
@@ -186,7 +232,114 @@ void Engine::Shutdown(bool remove_state) {
   if (monitor_.joinable()) monitor_.join();
   if (reducer_) reducer_->Stop();
   if (worker_) worker_->Stop();
+  // With the worker stopped every layer sits at its final version: a checkpoint in flight
+  // completes from the live state, and a clean stop writes the final one.
+  if (checkpointer_) {
+    const uint64_t in_flight = checkpointer_->in_flight_step();
+    if (in_flight != 0) {
+      spdlog::info("waiting for the checkpoint of step {} to commit", in_flight);
+      (void)checkpointer_->Wait(in_flight, kCheckpointWaitMs);
+    }
+    if (remove_state) FinalCheckpoint();
+  }
   if (state_ && remove_state) state_->set_remove_on_destroy(true);
+}
+
+void Engine::FinalCheckpoint() {
+  std::string dir;
+  CheckpointInfo info;
+  uint64_t version = 0;
+  {
+    absl::MutexLock lock(&mu_);
+    if (!config_.checkpoint.on_stop || config_.checkpoint.dir.empty() || !job_ || !state_) return;
+    if (absl::Status s = CheckCheckpointableLocked(); !s.ok()) {
+      spdlog::error("no final checkpoint: {}", std::string(s.message()));
+      return;
+    }
+    version = state_->committed_version(0);
+    for (uint32_t l = 1; l < state_->num_layers(); ++l) {
+      if (state_->committed_version(l) != version) {
+        spdlog::error("no final checkpoint: layer {} is at version {}, layer 0 at {}", l,
+                      state_->committed_version(l), version);
+        return;
+      }
+    }
+    if (version == start_step_) return;  // nothing trained since the start (or the resume)
+    if (checkpointer_->last_committed().step == version &&
+        !checkpointer_->last_committed().path.empty()) {
+      spdlog::info("final checkpoint: step {} is already checkpointed ({})", version,
+                   checkpointer_->last_committed().path);
+      return;
+    }
+    dir = config_.checkpoint.dir;
+    info = CheckpointDescriptionLocked();
+  }
+  spdlog::info("writing the final checkpoint of step {} to {}", version, dir);
+  absl::Status s = checkpointer_->Start(dir, version, std::move(info));
+  if (absl::IsAlreadyExists(s)) return;
+  absl::StatusOr<CheckpointResult> r = s.ok() ? checkpointer_->Wait(version, kCheckpointWaitMs)
+                                              : absl::StatusOr<CheckpointResult>(s);
+  if (!r.ok()) spdlog::error("final checkpoint failed: {}", r.status().ToString());
+}
+
+CheckpointInfo Engine::CheckpointDescriptionLocked() const {
+  CheckpointInfo info;
+  info.job_id = job_->job_id();
+  info.manifest_hash = ManifestHashHex(state_->manifest_hash());
+  info.spec = *job_;
+  *info.spec.mutable_optimizer() = worker_->optimizer();
+  *info.spec.mutable_manifest() = state_->model().manifest;
+  info.initializer_range = state_->model().initializer_range;
+  info.config_json = state_->model().config_json;
+  info.model_source = state_->model().source;
+  info.weights_source =
+      resumed_from_.empty() ? state_->weights_source() : "checkpoint " + resumed_from_;
+  info.hostd_version = kVersion;
+  return info;
+}
+
+absl::Status Engine::CheckCheckpointableLocked() const {
+  RETURN_IF_ERROR(CheckNotTornLocked());
+  if (!client_layers_.empty()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "the ranks update layers ", LayerList(client_layers_),
+        " themselves (client_updated_layers), so hostd's copy of them is not the job's state and "
+        "a checkpoint of hostd alone would be incomplete; checkpoint those layers on the client "
+        "side, or attach without client_updated_layers (python_client: nondecoder=\"host\")"));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<slidedp::v1::CheckpointResponse> Engine::Checkpoint(
+    const slidedp::v1::CheckpointRequest& r) {
+  uint64_t step = 0;
+  std::string dir;
+  {
+    absl::MutexLock lock(&mu_);
+    RETURN_IF_ERROR(CheckJob(r.job_id()));
+    RETURN_IF_ERROR(CheckCheckpointableLocked());
+    dir = r.dir().empty() ? config_.checkpoint.dir : r.dir();
+    if (dir.empty()) {
+      return absl::FailedPreconditionError(
+          "dir: no checkpoint directory: start hostd with --checkpoint.dir DIR (or [checkpoint] "
+          "dir in its config), or name one in the request");
+    }
+    // Version t: the running step's (its layers reach t as its updates land; none can start
+    // t + 1 before the capture), else the last completed step's (every layer is at it).
+    step = running_step_ != 0 ? running_step_ : next_step_ - 1;
+    RETURN_IF_ERROR(checkpointer_->Start(dir, step, CheckpointDescriptionLocked()));
+    spdlog::info("checkpoint of step {} requested into {}", step, dir);
+  }
+  slidedp::v1::CheckpointResponse resp;
+  resp.set_step(step);
+  resp.set_path((std::filesystem::path(dir) / CheckpointDirName(step)).string());
+  if (!r.wait()) return resp;
+  ASSIGN_OR_RETURN(const CheckpointResult done, checkpointer_->Wait(step, kCheckpointWaitMs));
+  resp.set_path(done.path);
+  resp.set_committed(true);
+  resp.set_seconds(done.seconds);
+  resp.set_bytes(done.bytes);
+  return resp;
 }
 
 absl::Status Engine::CheckServing() const {
@@ -229,7 +382,7 @@ absl::StatusOr<slidedp::v1::HandshakeResponse> Engine::Handshake(
 }
 
 absl::Status Engine::CreateJobLocked(slidedp::v1::JobSpec spec, LoadedModel model,
-                                     const std::string& model_dir) {
+                                     const std::string& model_dir, const CheckpointInfo* resume) {
   if (spec.world_size() == 0) spec.set_world_size(1);
   if (spec.world_size() > shm::kMaxRanks) {
     return absl::InvalidArgumentError(
@@ -262,7 +415,9 @@ absl::Status Engine::CreateJobLocked(slidedp::v1::JobSpec spec, LoadedModel mode
              : config_.mlock == "best_effort" ? MlockPolicy::kBestEffort
                                               : MlockPolicy::kRequired;
   so.seed = spec.seed();
-  const WeightsInit init = ResolveWeightsInit(config_.init, model_dir);
+  // A resumed job's weights come from the checkpoint: the cheapest init, then the restore.
+  const WeightsInit init = resume != nullptr ? WeightsInit{WeightsInit::Kind::kZeros, ""}
+                                             : ResolveWeightsInit(config_.init, model_dir);
   so.zero_init = init.kind == WeightsInit::Kind::kZeros;
   // The checkpoint is opened and matched to the manifest before any memory is committed, so a
   // bad or mismatched checkpoint fails here, fast, with the tensor named.
@@ -320,12 +475,41 @@ absl::Status Engine::CreateJobLocked(slidedp::v1::JobSpec spec, LoadedModel mode
       state_->total_params(), state_->weights_source(),
       static_cast<double>(state_->shm_bytes()) / (1ull << 30),
       std::chrono::duration<double>(SteadyClock::now() - t0).count());
+  if (resume != nullptr) {
+    const auto r0 = SteadyClock::now();
+    absl::Status restored = RestoreCheckpoint(*resume, state_.get(), pool_.get());
+    if (!restored.ok()) {
+      // No job comes into existence: the half-restored state is removed.
+      state_->set_remove_on_destroy(true);
+      state_.reset();
+      return Annotate(restored, "resume");
+    }
+    next_step_ = resume->step + 1;
+    steps_completed_ = resume->step;
+    resumed_from_ = resume->path;
+    start_step_ = resume->step;
+    spdlog::info("resumed from checkpoint {} (step {}, {:.2f} GB) in {:.2f} s; next step {}",
+                 resume->path, resume->step, static_cast<double>(resume->total_bytes) / 1e9,
+                 std::chrono::duration<double>(SteadyClock::now() - r0).count(), next_step_);
+  }
   *spec.mutable_manifest() = state_->model().manifest;
   UpdateWorker::Options wo;
   wo.isa = isa_;
   wo.chunk_elements = std::max<uint64_t>(routes->chunk_bytes() / 2, kernels::kStatsBlock) /
                       kernels::kStatsBlock * kernels::kStatsBlock;
   worker_ = std::make_unique<UpdateWorker>(state_.get(), pool_.get(), wo, spec.optimizer());
+  Checkpointer::Options co;
+  co.keep_last = config_.checkpoint.keep_last;
+  co.snapshot_pool_bytes = config_.checkpoint.snapshot_pool_bytes;
+  if (co.snapshot_pool_bytes == 0) {
+    const uint64_t state_bytes = 3 * sizeof(float) * state_->total_params();
+    const uint64_t avail = MemAvailableBytes();
+    co.snapshot_pool_bytes = avail == 0 ? state_bytes : std::min(state_bytes, avail / 2);
+  }
+  checkpointer_ = std::make_unique<Checkpointer>(state_.get(), pool_.get(), co);
+  worker_->SetBeforeWriteHook([cp = checkpointer_.get()](uint32_t layer, uint64_t step) {
+    cp->BeforeLayerWrite(layer, step);
+  });
   worker_->Start();
   GradientReducer::Options ro;
   ro.grad_type = spec.optimizer().grad_dtype() == slidedp::v1::DTYPE_FP32
@@ -372,11 +556,23 @@ absl::Status Engine::CreateJobLocked(slidedp::v1::JobSpec spec, LoadedModel mode
 
 absl::StatusOr<slidedp::v1::CreateJobResponse> Engine::CreateJob(
     const slidedp::v1::CreateJobRequest& r) {
-  RETURN_IF_ERROR(ValidateManifest(r.spec().manifest()));
+  std::optional<CheckpointInfo> resume;
+  slidedp::v1::ModelManifest manifest = r.spec().manifest();
+  if (!r.resume_path().empty()) {
+    auto found = FindLatestCheckpoint(r.resume_path());
+    if (!found.ok()) return Annotate(found.status(), "resume_path");
+    resume = std::move(*found);
+    if (manifest.layers_size() == 0) {
+      manifest = resume->spec.manifest();
+    } else {
+      RETURN_IF_ERROR(Annotate(CheckCheckpointManifest(*resume, manifest), "resume_path"));
+    }
+  }
+  RETURN_IF_ERROR(ValidateManifest(manifest));
   absl::MutexLock lock(&mu_);
   RETURN_IF_ERROR(CheckServing());
   if (job_) {
-    const uint64_t want = ManifestHash(r.spec().manifest());
+    const uint64_t want = ManifestHash(manifest);
     if (want == state_->manifest_hash() &&
         (r.spec().job_id().empty() || r.spec().job_id() == job_->job_id())) {
       // Idempotent: the same model is already loaded (e.g. hostd started with --model).
@@ -390,9 +586,22 @@ absl::StatusOr<slidedp::v1::CreateJobResponse> Engine::CreateJob(
                      "); this hostd serves one job; requested manifest ", ManifestHashHex(want)));
   }
   LoadedModel model;
-  model.manifest = r.spec().manifest();
+  model.manifest = manifest;
   model.source = "rpc";
-  RETURN_IF_ERROR(CreateJobLocked(r.spec(), std::move(model), /*model_dir=*/""));
+  slidedp::v1::JobSpec spec = r.spec();
+  if (resume) {
+    model.initializer_range = resume->initializer_range;
+    model.config_json = resume->config_json;
+    model.source = resume->model_source;
+    // The optimizer (and its LR schedule) continue from the checkpoint; the world size is the
+    // request's (any may resume).
+    *spec.mutable_optimizer() = resume->spec.optimizer();
+    if (spec.job_id().empty()) spec.set_job_id(resume->job_id);
+    if (spec.seed() == 0) spec.set_seed(resume->spec.seed());
+  }
+  spec.clear_manifest();
+  RETURN_IF_ERROR(CreateJobLocked(std::move(spec), std::move(model), /*model_dir=*/"",
+                                  resume ? &*resume : nullptr));
   slidedp::v1::CreateJobResponse resp;
   *resp.mutable_spec() = *job_;
   return resp;
@@ -673,6 +882,7 @@ void Engine::AbortStepLocked(uint64_t step, absl::string_view reason) {
       step_state_ = "torn";
       spdlog::error("step {} was aborted in the middle of a chunk-granular update: {}", step,
                     TornMessageLocked());
+      checkpointer_->Cancel("the state is torn");
     }
     shm::ControlBlock& c = state_->control();
     shm::Atomic(c.next_step).store(step + 1, std::memory_order_release);
@@ -787,6 +997,18 @@ void Engine::OnLayerDone(const LayerUpdateResult& r) {
     shm::ControlBlock& cb = state_->control();
     shm::Atomic(cb.next_step).store(next_step_, std::memory_order_release);
     shm::Atomic(cb.step_state).store(static_cast<uint64_t>(shm::StepState::kIdle));
+    const uint64_t every = config_.checkpoint.every_steps;
+    if (every > 0 && next_step_ > 1 && (next_step_ - 1) % every == 0) {
+      // Every layer is at the completed step and none has begun the next: the capture point.
+      absl::Status cs = CheckCheckpointableLocked();
+      if (cs.ok()) {
+        cs = checkpointer_->Start(config_.checkpoint.dir, next_step_ - 1,
+                                  CheckpointDescriptionLocked());
+      }
+      if (!cs.ok())
+        spdlog::warn("checkpoint of step {} skipped: {}", next_step_ - 1,
+                     std::string(cs.message()));
+    }
     // A queued step starts the moment its predecessor completes: its ranks are already in it
     // (unless an export holds it: ExportHF starts it when done).
     if (queued_step_ != 0 && !export_active_) StartStepLocked(std::exchange(queued_step_, 0));
@@ -966,6 +1188,19 @@ absl::StatusOr<slidedp::v1::GetStatusResponse> Engine::GetStatus() {
   js->set_current_lr(LearningRate(worker_->optimizer(), next_step_));
   js->set_weights_source(state_->weights_source());
   for (uint32_t l : client_layers_) js->add_client_updated_layers(l);
+  if (!resumed_from_.empty()) {
+    js->set_resumed_from(resumed_from_);
+    js->set_weights_source("checkpoint " + resumed_from_);
+  }
+  js->set_checkpoint_dir(config_.checkpoint.dir);
+  const CheckpointResult last = checkpointer_->last_committed();
+  if (!last.path.empty()) {
+    js->set_last_checkpoint_step(last.step);
+    js->set_last_checkpoint_path(last.path);
+    js->set_last_checkpoint_age_s(
+        static_cast<double>(UnixMs() - checkpointer_->last_committed_unix_ms()) / 1000.0);
+  }
+  js->set_checkpoint_in_flight_step(checkpointer_->in_flight_step());
   for (auto& l : LayerStatuses()) *resp.add_layers() = std::move(l);
   for (auto& r : RankStatuses()) *resp.add_ranks() = std::move(r);
   for (const auto& seg : state_->segments()) {
@@ -1059,6 +1294,18 @@ absl::StatusOr<slidedp::v1::GetStatsResponse> Engine::GetStats(
           : -1.0);
   resp.set_exports_completed(exports_completed_);
   resp.set_step_running(running_step_);
+  const CheckpointStats cs = checkpointer_->stats();
+  resp.set_checkpoint_stall_seconds(cs.stall_seconds);
+  resp.set_checkpoint_snapshot_seconds(cs.snapshot_seconds);
+  resp.set_checkpoint_bytes_written(cs.bytes_written);
+  resp.set_checkpoints_committed(cs.checkpoints_committed);
+  resp.set_checkpoints_failed(cs.checkpoints_failed);
+  resp.set_last_checkpoint_seconds(cs.last_seconds);
+  resp.set_last_checkpoint_mb_per_s(cs.last_mb_per_s);
+  resp.set_checkpoint_layers_snapshotted(cs.layers_snapshotted);
+  resp.set_checkpoint_layers_written_live(cs.layers_written_live);
+  resp.set_checkpoint_pool_high_water_bytes(cs.pool_high_water_bytes);
+  resp.set_checkpoint_layers_copied_by_writer(cs.layers_copied_by_writer);
   return resp;
 }
 

@@ -46,6 +46,7 @@
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "common/thread_pool.h"
+#include "hostd/checkpoint.h"
 #include "hostd/config.h"
 #include "hostd/optimizer.h"
 #include "hostd/reducer.h"
@@ -100,6 +101,14 @@ class Engine {
   // (client_updated_layers) and a step has run: hostd's copy of them is stale.
   absl::StatusOr<slidedp::v1::ExportHFResponse> ExportHF(const slidedp::v1::ExportHFRequest& r);
 
+  // Checkpoints version t = the running step (else the last completed one) into r.dir or
+  // checkpoint.dir while training goes on (hostd/checkpoint.h); with r.wait, returns once
+  // committed. FAILED_PRECONDITION: no directory configured, the state is torn, the ranks update
+  // some layers themselves (client_updated_layers: hostd's copy of them is stale), or another
+  // checkpoint is being written; ALREADY_EXISTS: step t is already checkpointed there.
+  absl::StatusOr<slidedp::v1::CheckpointResponse> Checkpoint(
+      const slidedp::v1::CheckpointRequest& r);
+
   // --- sessions (one per attached rank; the service's stream handler drives these) ---
   // Validates the token and marks the rank connected.
   absl::StatusOr<slidedp::v1::SessionOpened> OpenSession(const slidedp::v1::SessionOpen& open);
@@ -147,8 +156,16 @@ class Engine {
   absl::Status Init(std::optional<Topology> topology);
   // `model_dir`: the model's directory, where init "auto" looks for safetensors weights; empty
   // for a built-in model, a config.json path or a job created over RPC.
+  // `resume`: restore this checkpoint into the new state (its step becomes the job's).
   absl::Status CreateJobLocked(slidedp::v1::JobSpec spec, LoadedModel model,
-                               const std::string& model_dir) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+                               const std::string& model_dir, const CheckpointInfo* resume = nullptr)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The job as a checkpoint describes it (spec with the current optimizer, model fields).
+  CheckpointInfo CheckpointDescriptionLocked() const ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  // OK when a checkpoint of hostd's state is complete: no torn layer, no client-updated layer.
+  absl::Status CheckCheckpointableLocked() const ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  // Writes the final checkpoint of a clean stop (checkpoint.on_stop); the worker has stopped.
+  void FinalCheckpoint();
   absl::Status CheckJob(absl::string_view job_id) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
   absl::Status CheckServing() const ABSL_SHARED_LOCKS_REQUIRED(mu_);
   void AbortStepLocked(uint64_t step, absl::string_view reason) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -185,9 +202,12 @@ class Engine {
   mutable absl::Mutex mu_;
   bool serving_ ABSL_GUARDED_BY(mu_) = true;
   std::optional<slidedp::v1::JobSpec> job_ ABSL_GUARDED_BY(mu_);
-  std::unique_ptr<TrainingState> state_;      // set once under mu_, then read-only
-  std::unique_ptr<UpdateWorker> worker_;      // set once under mu_, then read-only
-  std::unique_ptr<GradientReducer> reducer_;  // set once under mu_, then read-only
+  std::unique_ptr<TrainingState> state_;           // set once under mu_, then read-only
+  std::unique_ptr<UpdateWorker> worker_;           // set once under mu_, then read-only
+  std::unique_ptr<GradientReducer> reducer_;       // set once under mu_, then read-only
+  std::unique_ptr<Checkpointer> checkpointer_;     // set once under mu_, then read-only
+  std::string resumed_from_ ABSL_GUARDED_BY(mu_);  // the checkpoint the job started from
+  uint64_t start_step_ ABSL_GUARDED_BY(mu_) = 0;   // the version the job started at
   std::vector<RankEntry> ranks_ ABSL_GUARDED_BY(mu_);
   uint64_t next_step_ ABSL_GUARDED_BY(mu_) = 1;
   uint64_t running_step_ ABSL_GUARDED_BY(mu_) = 0;  // 0: none

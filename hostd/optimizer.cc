@@ -359,6 +359,7 @@ LayerUpdateResult UpdateWorker::UpdateLayerNow(uint32_t layer, uint64_t step,
       cfg.scale_by_world_size() ? 1.0 / static_cast<double>(state_->world_size()) : 1.0;
   const kernels::GradStats stats = precomputed != nullptr ? *precomputed : LayerStats(grad);
   r.nonfinite = stats.nonfinite;
+  if (before_write_ && stats.nonfinite == 0) before_write_(layer, step);
   state_->BeginLayerWrite(layer, step);
   if (stats.nonfinite > 0) {
     r.grad_norm = std::nan("");
@@ -477,6 +478,7 @@ void UpdateWorker::ApplyStreamRange(Item& item) {
     // pending_version marks the layer as being written from its first range on: an abort after
     // this point leaves the layer torn, which the version words must show.
     if (s.ranges_applied == 0) {
+      if (before_write_) before_write_(item.layer, item.step);
       state_->BeginLayerWrite(item.layer, item.step);
       s.result.start_s = MonotonicSeconds(t0);
     }

@@ -161,6 +161,12 @@ class UpdateWorker {
   // consistent. Nothing clears it: the state must be restored from a checkpoint.
   std::vector<uint32_t> TornLayers() const;
 
+  // Called on the worker thread before a layer's master/m/v are written for `step` (a whole
+  // layer's update, or a streamed layer's first range); the checkpointer captures the layer's
+  // previous version there (hostd/checkpoint.h). Set before Start; may block the update.
+  using BeforeWriteFn = std::function<void(uint32_t layer, uint64_t step)>;
+  void SetBeforeWriteHook(BeforeWriteFn hook) { before_write_ = std::move(hook); }
+
   // Takes effect for updates that start afterwards.
   void SetOptimizer(const slidedp::v1::OptimizerConfig& optimizer);
   slidedp::v1::OptimizerConfig optimizer() const;
@@ -248,6 +254,7 @@ class UpdateWorker {
   double idle_pending_ = 0;
   std::thread thread_;              // started by Start, joined by Stop
   std::vector<double> block_sums_;  // scratch of the update thread
+  BeforeWriteFn before_write_;  // set before Start; called on the update thread
 };
 
 }  // namespace slidedp::hostd

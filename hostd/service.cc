@@ -149,6 +149,11 @@ class ControlServer::Impl final : public v1::Control::Service {
     return Reply(engine_->ExportHF(*req), resp);
   }
 
+  grpc::Status Checkpoint(grpc::ServerContext*, const v1::CheckpointRequest* req,
+                          v1::CheckpointResponse* resp) override {
+    return Reply(engine_->Checkpoint(*req), resp);
+  }
+
   // One stream per rank: the first client message opens it; heartbeats follow. The stream's end
   // (the rank exited, crashed or cancelled) is the rank's death as far as hostd is concerned.
   grpc::Status Session(

@@ -105,9 +105,11 @@ ControlClient::ControlClient(std::unique_ptr<v1::Control::StubInterface> stub, i
     : stub_(std::move(stub)), timeout_ms_(timeout_ms) {}
 
 template <typename Response, typename Request, typename Method>
-absl::StatusOr<Response> ControlClient::Call(Method method, const Request& request) {
+absl::StatusOr<Response> ControlClient::Call(Method method, const Request& request,
+                                             int64_t timeout_ms) {
   grpc::ClientContext context;
-  context.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(timeout_ms_));
+  context.set_deadline(std::chrono::system_clock::now() +
+                       std::chrono::milliseconds(timeout_ms > 0 ? timeout_ms : timeout_ms_));
   Response response;
   const grpc::Status status = ((*stub_).*method)(&context, request, &response);
   if (!status.ok()) return FromGrpc(status);
@@ -143,6 +145,16 @@ absl::StatusOr<v1::GetStatsResponse> ControlClient::GetStats(const std::string& 
   v1::GetStatsRequest request;
   request.set_job_id(job_id);
   return Call<v1::GetStatsResponse>(&v1::Control::StubInterface::GetStats, request);
+}
+
+absl::StatusOr<v1::CheckpointResponse> ControlClient::Checkpoint(const std::string& job_id,
+                                                                 bool wait, const std::string& dir,
+                                                                 int64_t timeout_ms) {
+  v1::CheckpointRequest request;
+  request.set_job_id(job_id);
+  request.set_wait(wait);
+  request.set_dir(dir);
+  return Call<v1::CheckpointResponse>(&v1::Control::StubInterface::Checkpoint, request, timeout_ms);
 }
 
 absl::StatusOr<v1::GetConfigResponse> ControlClient::GetConfig() {

@@ -71,10 +71,13 @@ class ControlClient {
 
   // The deadline of the calls that follow (e.g. longer for an export).
   void set_timeout_ms(int64_t timeout_ms) { timeout_ms_ = timeout_ms; }
+  // `timeout_ms` replaces the client's deadline (a waiting checkpoint takes as long as the write).
+  absl::StatusOr<v1::CheckpointResponse> Checkpoint(const std::string& job_id, bool wait,
+                                                    const std::string& dir, int64_t timeout_ms);
 
  private:
   template <typename Response, typename Request, typename Method>
-  absl::StatusOr<Response> Call(Method method, const Request& request);
+  absl::StatusOr<Response> Call(Method method, const Request& request, int64_t timeout_ms = 0);
 
   std::unique_ptr<v1::Control::StubInterface> stub_;
   int64_t timeout_ms_;

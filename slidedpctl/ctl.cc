@@ -22,10 +22,12 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/string_view.h"
 #include "common/version.h"
+#include "hostd/checkpoint_format.h"
 #include "hostd/config.h"
 #include "hostd/manifest.h"
 #include "slidedpctl/client.h"
 #include "slidedpctl/estimate.h"
+#include "slidedpctl/format.h"
 #include "slidedpctl/json_convert.h"
 #include "slidedpctl/machine.h"
 #include "slidedpctl/render.h"
@@ -292,6 +294,67 @@ int RunWatchCmd(const Context& ctx, const WatchOptions& o) {
   return rc;
 }
 
+int RunCheckpoint(const Context& ctx, const std::string& job_id, bool no_wait,
+                  const std::string& dir, int64_t wait_s) {
+  return Query(
+      ctx, "Checkpoint",
+      [&](ControlClient& c) {
+        return c.Checkpoint(job_id, !no_wait, dir, no_wait ? 0 : wait_s * 1000);
+      },
+      [&ctx](const v1::CheckpointResponse& r) {
+        if (ctx.options.json) {
+          PrintJson(ProtoToJson(r), ctx.out);
+          return;
+        }
+        Table t = Table::KeyValue();
+        t.AddRow({"step", absl::StrCat(r.step())});
+        t.AddRow({"path", r.path()});
+        t.AddRow({"state", r.committed() ? "committed" : "started (being written)"});
+        if (r.committed()) {
+          t.AddRow({"size", FormatBytes(r.bytes())});
+          t.AddRow({"seconds", absl::StrFormat("%.2f", r.seconds())});
+        }
+        t.Print(ctx.out);
+      });
+}
+
+// No hostd involved: reads the directory.
+int RunCheckpoints(const std::string& dir, bool verify, bool json, std::ostream& out,
+                   std::ostream& err) {
+  absl::StatusOr<std::vector<hostd::CheckpointListing>> list = hostd::ListCheckpoints(dir, verify);
+  if (!list.ok()) {
+    err << "slidedpctl: --dir: " << list.status().message() << '\n';
+    return kExitUsage;
+  }
+  if (json) {
+    nlohmann::ordered_json a = nlohmann::ordered_json::array();
+    for (const auto& l : *list) {
+      a.push_back({{"step", l.step},
+                   {"path", l.path},
+                   {"valid", l.valid},
+                   {"reason", l.reason},
+                   {"size_bytes", l.size_bytes},
+                   {"created_unix_ms", l.created_unix_ms},
+                   {"temporary", l.temporary},
+                   {"data_verified", verify && l.valid}});
+    }
+    PrintJson(a, out);
+    return kExitOk;
+  }
+  Table t({{"STEP", Table::Align::kRight},
+           {"SIZE", Table::Align::kRight},
+           {"STATE"},
+           {"NAME"},
+           {"WHY"}});
+  for (const auto& l : *list) {
+    t.AddRow({absl::StrCat(l.step), FormatBytes(l.size_bytes),
+              l.valid ? (verify ? "valid (data verified)" : "valid") : "invalid", l.name,
+              l.reason});
+  }
+  t.Print(out);
+  return kExitOk;
+}
+
 struct EstimateOptions {
   std::string model;
   uint32_t gpus = 0;
@@ -460,6 +523,29 @@ int Run(const std::vector<std::string>& args, std::ostream& out, std::ostream& e
       ->capture_default_str();
   watch_cmd->add_option("--steps", watch.steps, "stop after this many new steps (0: never)")
       ->capture_default_str();
+  bool no_wait = false;
+  std::string ckpt_dir;
+  int64_t wait_s = 3600;
+  CLI::App* checkpoint_cmd = app.add_subcommand(
+      "checkpoint", "write a checkpoint of the job now, while training continues");
+  checkpoint_cmd->add_option("--job", job_id, "job id (default: the daemon's job)")
+      ->type_name("ID");
+  checkpoint_cmd->add_flag("--no-wait", no_wait, "return once started, not once committed");
+  checkpoint_cmd->add_option("--dir", ckpt_dir, "directory (default: hostd's checkpoint.dir)")
+      ->type_name("DIR");
+  checkpoint_cmd->add_option("--wait-s", wait_s, "how long to wait for the commit")
+      ->check(CLI::Range(int64_t{1}, int64_t{7 * 24 * 3600}))
+      ->capture_default_str();
+  std::string list_dir;
+  bool verify = false;
+  CLI::App* checkpoints_cmd = app.add_subcommand(
+      "checkpoints",
+      "list the checkpoints of a directory: step, size, valid or why not; no hostd "
+      "needed");
+  checkpoints_cmd->add_option("--dir", list_dir, "checkpoint directory")
+      ->type_name("DIR")
+      ->required();
+  checkpoints_cmd->add_flag("--verify", verify, "also verify every file's checksum (reads all)");
   CLI::App* doctor_cmd = app.add_subcommand(
       "doctor", "check host settings hostd depends on (memlock, /dev/shm, THP, NUMA, GPUs)");
 
@@ -495,6 +581,7 @@ int Run(const std::vector<std::string>& args, std::ostream& out, std::ostream& e
   // These two never talk to hostd.
   if (estimate_cmd->parsed()) return RunEstimate(est, options.json, out, err);
   if (doctor_cmd->parsed()) return RunDoctorCmd(options.json, out);
+  if (checkpoints_cmd->parsed()) return RunCheckpoints(list_dir, verify, options.json, out, err);
 
   Endpoint endpoint;
   if (!options.tcp.empty()) {
@@ -522,6 +609,7 @@ int Run(const std::vector<std::string>& args, std::ostream& out, std::ostream& e
   if (config_show_cmd->parsed()) return RunConfigShow(ctx, toml);
   if (export_cmd->parsed()) return RunExport(ctx, job_id, exp);
   if (watch_cmd->parsed()) return RunWatchCmd(ctx, watch);
+  if (checkpoint_cmd->parsed()) return RunCheckpoint(ctx, job_id, no_wait, ckpt_dir, wait_s);
   err << "slidedpctl: no command given\nRun 'slidedpctl --help' for usage.\n";
   return kExitUsage;
 }

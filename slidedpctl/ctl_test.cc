@@ -439,8 +439,8 @@ TEST(CtlUsageTest, UnknownSubcommandExits2) {
   EXPECT_THAT(r.out, IsEmpty());
   EXPECT_EQ(r.err,
             "slidedpctl: unknown command \"frobnicate\"; expected one of: version, status, layers, "
-            "ranks, stats, config, estimate, export, watch, doctor\nRun 'slidedpctl --help' for "
-            "usage.\n");
+            "ranks, stats, config, estimate, export, watch, checkpoint, checkpoints, doctor\nRun "
+            "'slidedpctl --help' for usage.\n");
   const CtlResult nested = Ctl({"config", "frobnicate"});
   EXPECT_EQ(nested.code, kExitUsage);
   EXPECT_THAT(nested.err, StartsWith("slidedpctl: unknown command \"frobnicate\"; expected one of: "

@@ -45,8 +45,12 @@ struct LayerState {
   std::vector<uint16_t> params;
 };
 
-absl::Status Run(const MlpRunFlags& f, const std::string& out_path, const std::string& params_out) {
+// `switch_step` > 0: steps after it run with `switch_world` ranks (a job checkpointed at that
+// step and resumed with another world size).
+absl::Status Run(const MlpRunFlags& f, const std::string& out_path, const std::string& params_out,
+                 uint64_t switch_step, uint32_t switch_world) {
   RETURN_IF_ERROR(ValidateMlpConfig(f.model, f.world_size));
+  if (switch_step > 0) RETURN_IF_ERROR(ValidateMlpConfig(f.model, switch_world));
   const v1::JobSpec spec = MlpJobSpec(f.model, f.optimizer, f.world_size, /*chunk_bytes=*/65536);
   ASSIGN_OR_RETURN(const v1::OptimizerConfig cfg,
                    hostd::NormalizeOptimizerConfig(spec.optimizer()));
@@ -54,8 +58,6 @@ absl::Status Run(const MlpRunFlags& f, const std::string& out_path, const std::s
   const MlpTask task(f.model);
   const uint32_t layers = f.model.layers;
   const uint64_t numel = MlpLayerNumel(f.model.dim);
-  const uint32_t world = f.world_size;
-  const uint64_t per_rank = f.model.batch / world;
 
   std::vector<LayerState> state(layers);
   for (uint32_t l = 0; l < layers; ++l) {
@@ -79,9 +81,11 @@ absl::Status Run(const MlpRunFlags& f, const std::string& out_path, const std::s
     for (uint64_t i = 0; i < numel; ++i) s.params[i] = kernels::RoundToBf16(s.master[i]);
   }
 
-  const double grad_scale = cfg.scale_by_world_size() ? 1.0 / static_cast<double>(world) : 1.0;
   std::vector<double> losses;
   for (uint64_t t = 1; t <= f.steps; ++t) {
+    const uint32_t world = switch_step > 0 && t > switch_step ? switch_world : f.world_size;
+    const uint64_t per_rank = f.model.batch / world;
+    const double grad_scale = cfg.scale_by_world_size() ? 1.0 / static_cast<double>(world) : 1.0;
     double loss = 0;
     for (uint32_t r = 0; r < world; ++r) {
       ShardPass pass(task, t, r * per_rank, (r + 1) * per_rank);
@@ -164,8 +168,14 @@ int main(int argc, char** argv) {
   app.add_option("--out", out, "Write the layer checksums and losses as JSON to this file");
   app.add_option("--params-out", params_out,
                  "Write the final BF16 parameters (raw, layers in order) to this file");
+  uint64_t switch_step = 0;
+  uint32_t switch_world = 1;
+  app.add_option("--resume-step", switch_step,
+                 "Steps after this one run with --resume-world-size ranks (0: never), as a job "
+                 "checkpointed at that step and resumed with another world size");
+  app.add_option("--resume-world-size", switch_world, "World size after --resume-step");
   CLI11_PARSE(app, argc, argv);
-  const absl::Status s = slidedp::examples::Run(f, out, params_out);
+  const absl::Status s = slidedp::examples::Run(f, out, params_out, switch_step, switch_world);
   if (!s.ok()) {
     std::fprintf(stderr, "native_reference: %s\n", s.ToString().c_str());
     return 1;

@@ -15,6 +15,7 @@
 // Exit codes: 0 done; 3 a step was aborted (a rank died, a protocol error); 4 hostd is gone or
 // shutting down; 1 anything else (2 for bad flags).
 #include <CLI/CLI.hpp>
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <fstream>
@@ -195,14 +196,21 @@ absl::Status Trainer::Run() {
   const auto start = Clock::now();
   double total_wait_ms = 0;
   double first_loss = 0;
-  for (uint64_t t = 1; t <= f_.run.steps; ++t) {
+  // A job resumed from a checkpoint continues at the step after it; the data of step t is the
+  // same for any world size (the global batch is split by rank), so the run continues exactly.
+  const uint64_t first = std::max<uint64_t>(1, client_->next_step_at_attach());
+  if (first > 1) {
+    std::printf("rank %u: the job continues at step %llu\n", f_.rank,
+                static_cast<unsigned long long>(first));
+  }
+  for (uint64_t t = first; t <= f_.run.steps; ++t) {
     step_ = t;
     push_ms_ = 0;
     const auto s0 = Clock::now();
     RETURN_IF_ERROR(Step(t));
     const double step_ms = Ms(Clock::now() - s0);
     total_wait_ms += wait_ms_;
-    if (t == 1) first_loss = loss_;
+    if (t == first) first_loss = loss_;
     std::printf(
         "rank %u step %4llu  shard_loss %.6e  step_ms %7.2f  samples/s %9.1f (global)  "
         "version_wait_ms %6.2f  push_ms %6.2f  end_wait_ms %6.2f\n",
@@ -212,11 +220,12 @@ absl::Status Trainer::Run() {
   }
   const double total_s = Ms(Clock::now() - start) / 1000.0;
   RETURN_IF_ERROR(client_->Detach());
+  const uint64_t ran = f_.run.steps >= first ? f_.run.steps - first + 1 : 0;
   std::printf(
       "rank %u summary: %llu steps in %.2f s, %.1f samples/s (global), version wait %.2f ms "
       "(%.1f%%), shard_loss %.6e -> %.6e (rank's share of the global loss)\n",
-      f_.rank, static_cast<unsigned long long>(f_.run.steps), total_s,
-      total_s > 0 ? f_.run.steps * f_.run.model.batch / total_s : 0.0, total_wait_ms,
+      f_.rank, static_cast<unsigned long long>(ran), total_s,
+      total_s > 0 ? ran * f_.run.model.batch / total_s : 0.0, total_wait_ms,
       total_s > 0 ? total_wait_ms / (10.0 * total_s) : 0.0, first_loss, loss_);
   std::fflush(stdout);
   return absl::OkStatus();

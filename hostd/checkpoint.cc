@@ -1,0 +1,502 @@
+#include "hostd/checkpoint.h"
+
+#include <fcntl.h>
+#include <unistd.h>
+#include <xxhash.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <filesystem>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "common/status_macros.h"
+#include "common/thread_pool.h"
+#include "hostd/manifest.h"
+#include "kernels/cpu/adamw.h"
+#include "spdlog/spdlog.h"
+
+namespace slidedp::hostd {
+namespace fs = std::filesystem;
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double Seconds(Clock::time_point a, Clock::time_point b) {
+  return std::chrono::duration<double>(b - a).count();
+}
+
+int64_t NowUnixMs() {
+  return std::chrono::duration_cast<std::chrono::milliseconds>(
+             std::chrono::system_clock::now().time_since_epoch())
+      .count();
+}
+
+std::string ShapeText(const slidedp::v1::TensorSpec& t) {
+  return absl::StrCat("[", absl::StrJoin(t.shape(), ", "), "]");
+}
+
+// Reads exactly `n` bytes at the file's current offset into `dst`, hashing them.
+absl::Status ReadExact(int fd, void* dst, size_t n, const std::string& path, XXH3_state_t* st) {
+  char* p = static_cast<char*>(dst);
+  while (n > 0) {
+    const ssize_t r = read(fd, p, std::min<size_t>(n, size_t{64} << 20));
+    if (r < 0) {
+      if (errno == EINTR) continue;
+      return ErrnoStatus("read " + path);
+    }
+    if (r == 0) return absl::DataLossError(absl::StrCat("layer file ", path, " is truncated"));
+    XXH3_64bits_update(st, p, static_cast<size_t>(r));
+    p += r;
+    n -= static_cast<size_t>(r);
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<CheckpointInfo> FindLatestCheckpoint(const std::string& path) {
+  return FindLatestCheckpointInfo(path);
+}
+
+absl::Status CheckCheckpointManifest(const CheckpointInfo& info,
+                                     const slidedp::v1::ModelManifest& manifest) {
+  const std::string have = ManifestHashHex(ManifestHash(manifest));
+  const std::string want = ManifestHashHex(ManifestHash(info.spec.manifest()));
+  if (have == want && info.manifest_hash == want) return absl::OkStatus();
+  const auto& a = info.spec.manifest();
+  std::string diff;
+  const int layers = std::min(a.layers_size(), manifest.layers_size());
+  for (int l = 0; l < layers && diff.empty(); ++l) {
+    const auto& la = a.layers(l);
+    const auto& lb = manifest.layers(l);
+    if (la.name() != lb.name() || la.kind() != lb.kind()) {
+      diff = absl::StrCat("layer ", l, " is '", la.name(), "' in the checkpoint, '", lb.name(),
+                          "' in the model");
+      break;
+    }
+    const int tensors = std::min(la.tensors_size(), lb.tensors_size());
+    for (int t = 0; t < tensors; ++t) {
+      const auto& ta = la.tensors(t);
+      const auto& tb = lb.tensors(t);
+      if (ta.name() != tb.name() || ShapeText(ta) != ShapeText(tb) || ta.dtype() != tb.dtype() ||
+          ta.no_decay() != tb.no_decay()) {
+        diff =
+            absl::StrCat("first differing tensor: '", ta.name(), "' ", ShapeText(ta),
+                         " in the checkpoint, '", tb.name(), "' ", ShapeText(tb), " in the model");
+        break;
+      }
+    }
+    if (diff.empty() && la.tensors_size() != lb.tensors_size()) {
+      diff = absl::StrCat("layer ", l, " '", la.name(), "' has ", la.tensors_size(),
+                          " tensors in the checkpoint, ", lb.tensors_size(), " in the model");
+    }
+  }
+  if (diff.empty() && a.layers_size() != manifest.layers_size()) {
+    diff = absl::StrCat("the checkpoint has ", a.layers_size(), " layers, the model ",
+                        manifest.layers_size());
+  }
+  if (diff.empty()) diff = "the model's family, name or tied embeddings differ";
+  return absl::FailedPreconditionError(absl::StrCat(
+      "checkpoint ", info.path, " is of model manifest ", want, " (", a.name(),
+      "), but the job's model has manifest ", have, " (", manifest.name(), "); ", diff));
+}
+
+absl::Status RestoreCheckpoint(const CheckpointInfo& info, TrainingState* state, ThreadPool* pool) {
+  RETURN_IF_ERROR(CheckCheckpointManifest(info, state->model().manifest));
+  if (info.files.size() != state->num_layers()) {
+    return absl::DataLossError(absl::StrCat("checkpoint ", info.path, ": ", info.files.size(),
+                                            " layer files for ", state->num_layers(), " layers"));
+  }
+  for (const CheckpointFile& f : info.files) {
+    if (f.numel != state->layers()[f.layer].numel) {
+      return absl::DataLossError(absl::StrCat("checkpoint ", info.path, ": layer file ", f.name,
+                                              " holds ", f.numel, " elements, layer ", f.layer,
+                                              " has ", state->layers()[f.layer].numel));
+    }
+  }
+  const kernels::Isa isa = kernels::BestIsa();
+  for (const CheckpointFile& f : info.files) {
+    const std::string path = (fs::path(info.path) / f.name).string();
+    const int fd = open(path.c_str(), O_RDONLY | O_CLOEXEC);
+    if (fd < 0) return ErrnoStatus("open " + path);
+    XXH3_state_t* st = XXH3_createState();
+    XXH3_64bits_reset(st);
+    LayerFileHeader h{};
+    absl::Status s = ReadExact(fd, &h, sizeof(h), path, st);
+    const uint32_t l = f.layer;
+    for (float* dst : {state->master(l), state->exp_avg(l), state->exp_avg_sq(l)}) {
+      if (s.ok()) s = ReadExact(fd, dst, f.numel * sizeof(float), path, st);
+    }
+    char extra = 0;
+    if (s.ok() && read(fd, &extra, 1) > 0) {
+      s = absl::DataLossError(absl::StrCat("layer file ", path, " is longer than meta.json says"));
+    }
+    close(fd);
+    const uint64_t hash = XXH3_64bits_digest(st);
+    XXH3_freeState(st);
+    if (!s.ok()) return Annotate(s, absl::StrCat("checkpoint ", info.path));
+    if (hash != f.xxh64) {
+      return absl::DataLossError(absl::StrFormat(
+          "checkpoint %s: layer file %s has checksum %016x, meta.json says %016x (corrupted)",
+          info.path, f.name, hash, f.xxh64));
+    }
+    if (std::memcmp(h.magic, kLayerFileMagic, sizeof(h.magic)) != 0 || h.layer != l ||
+        h.numel != f.numel || h.step != info.step) {
+      return absl::DataLossError(absl::StrCat("checkpoint ", info.path, ": layer file ", f.name,
+                                              " has a header that does not match meta.json"));
+    }
+    const float* w = state->master(l);
+    uint16_t* p = state->params(l);
+    auto cast = [&](size_t b, size_t e, int) { kernels::CastFp32ToBf16(isa, w + b, p + b, e - b); };
+    if (pool != nullptr) {
+      pool->ParallelFor(f.numel, 64, cast);
+    } else {
+      cast(0, f.numel, 0);
+    }
+  }
+  for (uint32_t l = 0; l < state->num_layers(); ++l) {
+    state->BeginLayerWrite(l, info.step);
+    state->PublishLayer(l, info.step);
+  }
+  shm::Atomic(state->control().next_step).store(info.step + 1, std::memory_order_release);
+  return absl::OkStatus();
+}
+
+// ---------------------------------------------------------------------------------------------
+// Checkpointer
+
+Checkpointer::Checkpointer(TrainingState* state, ThreadPool* pool, Options options)
+    : state_(state), pool_(pool), options_(options) {
+  writer_ = std::thread([this] { Run(); });
+}
+
+Checkpointer::~Checkpointer() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stop_ = true;
+    if (active_ && cancel_reason_.empty()) cancel_reason_ = "hostd is stopping";
+  }
+  cv_.notify_all();
+  writer_.join();
+}
+
+absl::Status Checkpointer::Start(const std::string& dir, uint64_t step, CheckpointInfo info) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (stop_) return absl::UnavailableError("the checkpointer is stopping");
+  if (active_) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("a checkpoint of step ", step_,
+                     " is being written; wait for it (slidedpctl checkpoint "
+                     "waits by default) and retry"));
+  }
+  std::error_code ec;
+  if (fs::exists(fs::path(dir) / CheckpointDirName(step) / kCheckpointMarker, ec)) {
+    return absl::AlreadyExistsError(
+        absl::StrCat("checkpoint of step ", step,
+                     " already exists: ", (fs::path(dir) / CheckpointDirName(step)).string()));
+  }
+  active_ = true;
+  step_ = step;
+  dir_ = dir;
+  info_ = std::move(info);
+  cancel_reason_.clear();
+  layers_.assign(state_->num_layers(), LayerState::kPending);
+  snapshots_.clear();
+  pool_used_ = 0;
+  wanted_layer_ = -1;
+  started_ = Clock::now();
+  results_.erase(step);
+  stats_.checkpoints_started++;
+  cv_.notify_all();
+  return absl::OkStatus();
+}
+
+absl::StatusOr<CheckpointResult> Checkpointer::Wait(uint64_t step, int64_t timeout_ms) {
+  std::unique_lock<std::mutex> lock(mu_);
+  auto done = [&] { return results_.count(step) > 0 || (!active_ || step_ != step); };
+  if (!cv_.wait_for(lock, std::chrono::milliseconds(timeout_ms), done)) {
+    return absl::DeadlineExceededError(absl::StrCat("the checkpoint of step ", step,
+                                                    " did not finish within ", timeout_ms, " ms"));
+  }
+  auto it = results_.find(step);
+  if (it == results_.end()) {
+    return absl::NotFoundError(absl::StrCat("no checkpoint of step ", step, " was started"));
+  }
+  return it->second;
+}
+
+void Checkpointer::Cancel(const std::string& reason) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!active_) return;
+    cancel_reason_ = reason;
+  }
+  cv_.notify_all();
+}
+
+bool Checkpointer::in_flight() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return active_;
+}
+
+uint64_t Checkpointer::in_flight_step() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return active_ ? step_ : 0;
+}
+
+CheckpointResult Checkpointer::last_committed() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return last_;
+}
+
+int64_t Checkpointer::last_committed_unix_ms() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return last_unix_ms_;
+}
+
+void Checkpointer::set_last_committed(const CheckpointResult& r, int64_t unix_ms) {
+  std::lock_guard<std::mutex> lock(mu_);
+  last_ = r;
+  last_unix_ms_ = unix_ms;
+}
+
+CheckpointStats Checkpointer::stats() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return stats_;
+}
+
+void Checkpointer::BeforeLayerWrite(uint32_t layer, uint64_t step) {
+  std::unique_lock<std::mutex> lock(mu_);
+  if (!active_ || step <= step_ || layer >= layers_.size()) return;
+  auto busy = [&] {
+    const LayerState st = layers_[layer];
+    return st == LayerState::kPending || st == LayerState::kCopying ||
+           st == LayerState::kWritingLive;
+  };
+  if (!busy()) return;
+  const LayerInfo& info = state_->layers()[layer];
+  const uint64_t bytes = 3 * info.numel * sizeof(float);
+  const auto t0 = Clock::now();
+  bool waited = false;
+  while (active_ && step_ < step && busy()) {
+    if (layers_[layer] == LayerState::kPending &&
+        pool_used_ + bytes <= options_.snapshot_pool_bytes) {
+      layers_[layer] = LayerState::kSnapshotted;
+      pool_used_ += bytes;
+      stats_.pool_high_water_bytes = std::max(stats_.pool_high_water_bytes, pool_used_);
+      if (waited) stats_.stall_seconds += Seconds(t0, Clock::now());
+      lock.unlock();
+      // The copy runs on the update pool: the update of this layer is waiting for it anyway.
+      const auto c0 = Clock::now();
+      Snapshot snap;
+      snap.numel = info.numel;
+      snap.data = std::make_unique_for_overwrite<float[]>(3 * info.numel);
+      const float* src[3] = {state_->master(layer), state_->exp_avg(layer),
+                             state_->exp_avg_sq(layer)};
+      float* dst = snap.data.get();
+      const size_t n = info.numel;
+      auto copy = [&](size_t b, size_t e, int) {
+        for (int k = 0; k < 3; ++k) {
+          std::memcpy(dst + k * n + b, src[k] + b, (e - b) * sizeof(float));
+        }
+      };
+      if (pool_ != nullptr) {
+        pool_->ParallelFor(n, 1024, copy);
+      } else {
+        copy(0, n, 0);
+      }
+      const double copy_s = Seconds(c0, Clock::now());
+      lock.lock();
+      snapshots_[layer] = std::move(snap);
+      stats_.snapshot_seconds += copy_s;
+      stats_.layers_snapshotted++;
+      cv_.notify_all();
+      return;
+    }
+    waited = true;
+    wanted_layer_ = layer;
+    cv_.notify_all();
+    cv_.wait(lock);
+  }
+  if (waited) {
+    const double s = Seconds(t0, Clock::now());
+    stats_.stall_seconds += s;
+    stats_.last_stall_max_layer_wait_us =
+        std::max<uint64_t>(stats_.last_stall_max_layer_wait_us, static_cast<uint64_t>(s * 1e6));
+  }
+  if (wanted_layer_ == static_cast<int64_t>(layer)) wanted_layer_ = -1;
+}
+
+void Checkpointer::Run() {
+  std::unique_lock<std::mutex> lock(mu_);
+  for (;;) {
+    cv_.wait(lock, [this] { return stop_ || active_; });
+    if (active_) RunCheckpoint(lock);
+    if (stop_) return;
+  }
+}
+
+void Checkpointer::RunCheckpoint(std::unique_lock<std::mutex>& lock) {
+  const uint64_t step = step_;
+  const std::string dir = dir_;
+  const uint32_t num_layers = static_cast<uint32_t>(layers_.size());
+  stats_.last_stall_max_layer_wait_us = 0;
+  lock.unlock();
+  absl::Status status;
+  std::unique_ptr<CheckpointDirWriter> writer;
+  {
+    auto begun = CheckpointDirWriter::Begin(dir, step);
+    if (begun.ok()) {
+      writer = std::move(*begun);
+    } else {
+      status = begun.status();
+    }
+  }
+  lock.lock();
+  double write_s = 0;
+  while (status.ok()) {
+    if (!cancel_reason_.empty()) {
+      status = absl::AbortedError(
+          absl::StrCat("checkpoint of step ", step, " cancelled: ", cancel_reason_));
+      break;
+    }
+    // 1. Capture: copy a layer at version t into the pool while there is room (the layer an
+    //    update waits for first, then highest first, the order the next step updates them),
+    //    so updates find it captured and never wait for the disk.
+    // 2. Write the pooled copies (highest first), freeing room.
+    // 3. No room: write a layer at version t straight from the live state (an update that
+    //    needs it meanwhile waits: the stall).
+    auto ready = [&](uint32_t l) {
+      return layers_[l] == LayerState::kPending && state_->committed_version(l) >= step;
+    };
+    int64_t pick = -1;
+    if (wanted_layer_ >= 0 && ready(static_cast<uint32_t>(wanted_layer_))) {
+      pick = wanted_layer_;
+    } else {
+      for (uint32_t l = num_layers; l-- > 0;) {
+        if (ready(l)) {
+          pick = l;
+          break;
+        }
+      }
+    }
+    if (pick >= 0) {
+      const uint32_t l = static_cast<uint32_t>(pick);
+      const uint64_t n = state_->layers()[l].numel;
+      if (pool_used_ + 3 * n * sizeof(float) <= options_.snapshot_pool_bytes) {
+        layers_[l] = LayerState::kCopying;
+        pool_used_ += 3 * n * sizeof(float);
+        stats_.pool_high_water_bytes = std::max(stats_.pool_high_water_bytes, pool_used_);
+        lock.unlock();
+        Snapshot copy;
+        copy.numel = n;
+        copy.data = std::make_unique_for_overwrite<float[]>(3 * n);
+        std::memcpy(copy.data.get(), state_->master(l), n * sizeof(float));
+        std::memcpy(copy.data.get() + n, state_->exp_avg(l), n * sizeof(float));
+        std::memcpy(copy.data.get() + 2 * n, state_->exp_avg_sq(l), n * sizeof(float));
+        lock.lock();
+        snapshots_[l] = std::move(copy);
+        layers_[l] = LayerState::kSnapshotted;
+        stats_.layers_copied_by_writer++;
+        cv_.notify_all();
+        continue;
+      }
+    }
+    Snapshot snap;
+    if (!snapshots_.empty()) {
+      auto it = std::prev(snapshots_.end());
+      pick = it->first;
+      snap = std::move(it->second);
+      snapshots_.erase(it);
+    } else if (pick >= 0) {
+      layers_[static_cast<size_t>(pick)] = LayerState::kWritingLive;
+    }
+    if (pick < 0) {
+      if (std::all_of(layers_.begin(), layers_.end(),
+                      [](LayerState s) { return s == LayerState::kDone; })) {
+        break;
+      }
+      // Layers not yet at version t (their update for step t is still to come) or being copied.
+      cv_.wait_for(lock, std::chrono::milliseconds(2));
+      continue;
+    }
+    const uint32_t l = static_cast<uint32_t>(pick);
+    lock.unlock();
+    const auto w0 = Clock::now();
+    absl::StatusOr<uint64_t> written;
+    if (snap.data) {
+      const float* d = snap.data.get();
+      written = writer->WriteLayer(l, snap.numel, d, d + snap.numel, d + 2 * snap.numel);
+    } else {
+      written = writer->WriteLayer(l, state_->layers()[l].numel, state_->master(l),
+                                   state_->exp_avg(l), state_->exp_avg_sq(l));
+    }
+    write_s += Seconds(w0, Clock::now());
+    const uint64_t freed = snap.data ? 3 * snap.numel * sizeof(float) : 0;
+    snap = Snapshot{};
+    lock.lock();
+    if (!written.ok()) {
+      status = written.status();
+      break;
+    }
+    layers_[l] = LayerState::kDone;
+    pool_used_ -= freed;
+    if (freed == 0) stats_.layers_written_live++;
+    stats_.bytes_written += *written;
+    cv_.notify_all();
+  }
+  // From here no update needs to wait: release them before the (slow) commit fsyncs.
+  CheckpointInfo info = std::move(info_);
+  // active_ stays true until the result is recorded (Wait, Start); every layer is marked done,
+  // so updates pass the hook untouched meanwhile.
+  for (auto& s : layers_) s = LayerState::kDone;
+  snapshots_.clear();
+  pool_used_ = 0;
+  cv_.notify_all();
+  lock.unlock();
+  absl::StatusOr<CheckpointInfo> committed =
+      status.ok() ? writer->Commit(std::move(info)) : absl::StatusOr<CheckpointInfo>(status);
+  std::vector<std::string> pruned;
+  if (committed.ok() && options_.keep_last > 0) {
+    auto p = PruneCheckpoints(dir, options_.keep_last, step);
+    if (p.ok()) {
+      pruned = std::move(*p);
+    } else {
+      spdlog::warn("checkpoint: pruning {}: {}", dir, p.status().ToString());
+    }
+  }
+  writer.reset();  // removes the .tmp directory of a failed checkpoint
+  lock.lock();
+  const double total_s = Seconds(started_, Clock::now());
+  stats_.write_seconds += write_s;
+  if (committed.ok()) {
+    CheckpointResult r;
+    r.step = step;
+    r.path = committed->path;
+    r.bytes = committed->total_bytes;
+    r.seconds = total_s;
+    last_ = r;
+    last_unix_ms_ = NowUnixMs();
+    stats_.checkpoints_committed++;
+    stats_.last_seconds = total_s;
+    stats_.last_mb_per_s = total_s > 0 ? static_cast<double>(r.bytes) / total_s / 1e6 : 0;
+    results_[step] = r;
+    spdlog::info("checkpoint of step {} committed: {} ({:.1f} MB in {:.2f} s, {:.0f} MB/s){}", step,
+                 r.path, r.bytes / 1e6, total_s, stats_.last_mb_per_s,
+                 pruned.empty() ? "" : absl::StrCat("; removed ", pruned.size(), " older"));
+  } else {
+    stats_.checkpoints_failed++;
+    results_[step] = committed.status();
+    spdlog::error("checkpoint of step {} failed: {}", step, committed.status().ToString());
+  }
+  // Old results are of no use beyond a few.
+  while (results_.size() > 16) results_.erase(results_.begin());
+  active_ = false;
+  cancel_reason_.clear();
+  cv_.notify_all();
+}
+
+}  // namespace slidedp::hostd

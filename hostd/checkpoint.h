@@ -1,0 +1,169 @@
+// Checkpoints of a live job (issue #6): capture, write, restore.
+//
+// Consistency while training runs. Layers are updated one by one as gradients arrive and the next
+// step's updates may start while a checkpoint is written, so "every layer at version t" exists
+// only per layer. A checkpoint of version t captures each layer's master, m and v at version t
+// before that layer's update for step t + 1 touches it:
+//   - the update worker calls BeforeLayerWrite(layer, step) before it writes a layer (a hook set
+//     with UpdateWorker::SetBeforeWriteHook); for step t + 1 and a layer not yet captured, it
+//     copies the layer into a bounded snapshot pool (with the update pool's threads) and goes on;
+//   - a writer thread captures layers that have reached version t (committed >= t, not yet
+//     captured) into the pool with a memcpy, highest layer first (the order the next step
+//     updates them), while there is room; writes pooled layers to disk and frees their room;
+//     and, when the pool is full, writes a layer at version t straight from the live state;
+//   - when the pool has no room for a layer, or the writer is copying or writing that layer
+//     from the live state, the update waits: that wait is the checkpoint's stall
+//     (stats().stall_seconds); the update's own copy is counted as snapshot_seconds.
+// With a pool as large as the state the writer captures every layer at memcpy speed and the
+// updates wait at most for one layer's copy; with a small pool they wait for the disk.
+// The files go through CheckpointDirWriter (checkpoint_format.h): temp directory, fsyncs,
+// rename, directory fsync, commit marker last; keep_last older committed ones are pruned after
+// the new one is committed.
+//
+// Resume (the seam hostd's start-up and crash re-adoption use): FindLatestCheckpoint picks the
+// newest committed checkpoint of a directory, CheckCheckpointManifest compares it with a model,
+// RestoreCheckpoint loads it into a freshly created TrainingState.
+//
+// Thread safety: every Checkpointer method may be called from any thread; BeforeLayerWrite is
+// called by the update worker's thread (the only user of `pool` while it runs).
+#pragma once
+
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "hostd/checkpoint_format.h"
+#include "hostd/state.h"
+
+namespace slidedp {
+class ThreadPool;
+}
+
+namespace slidedp::hostd {
+
+// Finds the newest committed checkpoint under `path` (a checkpoint directory or one step
+// directory); marker, meta.json and file sizes are checked, the data is not (RestoreCheckpoint
+// checks it as it reads). NOT_FOUND / DATA_LOSS / INVALID_ARGUMENT naming the file.
+absl::StatusOr<CheckpointInfo> FindLatestCheckpoint(const std::string& path);
+
+// FAILED_PRECONDITION when `manifest` is not the checkpoint's model: names both manifest hashes
+// and the first differing layer or tensor (name, shape).
+absl::Status CheckCheckpointManifest(const CheckpointInfo& info,
+                                     const slidedp::v1::ModelManifest& manifest);
+
+// Loads the checkpoint into `state`, which must have been created for the checkpoint's manifest
+// and not be in use (no rank attached, no update running): master, m and v of every layer (each
+// file's XXH3-64 and header verified as it is read), the BF16 params re-cast from the master,
+// and every layer's committed and pending version set to info.step. The manifest is checked
+// first, before any byte of the state changes; a checksum or read error in a layer file is
+// reported (DATA_LOSS naming the file) after earlier layers were loaded: the caller must then
+// discard the state (hostd does, and no job is created).
+absl::Status RestoreCheckpoint(const CheckpointInfo& info, TrainingState* state, ThreadPool* pool);
+
+struct CheckpointStats {
+  uint64_t checkpoints_started = 0;
+  uint64_t checkpoints_committed = 0;
+  uint64_t checkpoints_failed = 0;
+  uint64_t bytes_written = 0;            // layer files of every checkpoint
+  double write_seconds = 0;              // writer busy time (layer files)
+  double stall_seconds = 0;              // updates waiting on the checkpoint
+  double snapshot_seconds = 0;           // updates copying layers into the pool
+  uint64_t layers_snapshotted = 0;       // copied into the pool by an update (its hook)
+  uint64_t layers_copied_by_writer = 0;  // copied into the pool by the writer
+  uint64_t layers_written_live = 0;      // written straight from the live state
+  uint64_t pool_high_water_bytes = 0;
+  double last_seconds = 0;   // request to commit, of the last committed checkpoint
+  double last_mb_per_s = 0;  // its layer bytes / its duration
+  uint64_t last_stall_max_layer_wait_us = 0;
+};
+
+struct CheckpointResult {
+  uint64_t step = 0;
+  std::string path;
+  uint64_t bytes = 0;
+  double seconds = 0;
+};
+
+class Checkpointer {
+ public:
+  struct Options {
+    uint32_t keep_last = 3;                     // 0: keep every checkpoint
+    uint64_t snapshot_pool_bytes = 1ull << 30;  // room for copies of layers
+  };
+  // `state` and `pool` must outlive the checkpointer; `pool` is used only inside
+  // BeforeLayerWrite (on the update worker's thread).
+  Checkpointer(TrainingState* state, ThreadPool* pool, Options options);
+  ~Checkpointer();  // cancels a checkpoint in flight and joins the writer
+  Checkpointer(const Checkpointer&) = delete;
+  Checkpointer& operator=(const Checkpointer&) = delete;
+
+  // Starts a checkpoint of version `step` into `dir`; `info` carries the job's description
+  // (spec, model fields; step and files are filled here). Every layer must be at version <= step
+  // and none may yet have started its update for step + 1 (the caller, the engine, holds the
+  // step lifecycle and guarantees that). FAILED_PRECONDITION when another checkpoint is in
+  // flight (naming its step); ALREADY_EXISTS when step-<t> is committed in `dir` already.
+  absl::Status Start(const std::string& dir, uint64_t step, CheckpointInfo info);
+  // Blocks until the checkpoint of `step` has committed or failed (or `timeout_ms` passed:
+  // DEADLINE_EXCEEDED). NOT_FOUND when no checkpoint of `step` was started.
+  absl::StatusOr<CheckpointResult> Wait(uint64_t step, int64_t timeout_ms);
+  // Fails the checkpoint in flight (its .tmp directory is removed): e.g. the state is torn.
+  void Cancel(const std::string& reason);
+
+  // The update worker's hook: called before `layer`'s data is written for `step`.
+  void BeforeLayerWrite(uint32_t layer, uint64_t step);
+
+  bool in_flight() const;
+  uint64_t in_flight_step() const;  // 0 when none
+  // The last committed checkpoint (step 0 and empty path when none yet).
+  CheckpointResult last_committed() const;
+  int64_t last_committed_unix_ms() const;
+  void set_last_committed(const CheckpointResult& r, int64_t unix_ms);
+  CheckpointStats stats() const;
+
+ private:
+  // kPending: at or below version t, not captured; kCopying: the writer copies it into the
+  // pool; kSnapshotted: its copy is in the pool (or being made by an update); kWritingLive: the
+  // writer writes it from the live state; kDone: written.
+  enum class LayerState { kPending, kCopying, kSnapshotted, kWritingLive, kDone };
+  struct Snapshot {
+    std::unique_ptr<float[]> data;  // master | m | v
+    uint64_t numel = 0;
+  };
+
+  void Run();
+  void RunCheckpoint(std::unique_lock<std::mutex>& lock);
+
+  TrainingState* const state_;
+  ThreadPool* const pool_;
+  const Options options_;
+
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  bool stop_ = false;
+  // The checkpoint in flight (active_), guarded by mu_.
+  bool active_ = false;
+  uint64_t step_ = 0;
+  std::string dir_;
+  CheckpointInfo info_;
+  std::string cancel_reason_;
+  std::vector<LayerState> layers_;
+  std::map<uint32_t, Snapshot> snapshots_;
+  uint64_t pool_used_ = 0;
+  int64_t wanted_layer_ = -1;  // the layer an update waits for
+  std::chrono::steady_clock::time_point started_;
+  // Results by step, for Wait.
+  std::map<uint64_t, absl::StatusOr<CheckpointResult>> results_;
+  CheckpointResult last_;
+  int64_t last_unix_ms_ = 0;
+  CheckpointStats stats_;
+  std::thread writer_;  // started by the constructor, joined by the destructor
+};
+
+}  // namespace slidedp::hostd

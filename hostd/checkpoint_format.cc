@@ -1,0 +1,567 @@
+#include "hostd/checkpoint_format.h"
+
+#include <fcntl.h>
+#include <google/protobuf/util/json_util.h>
+#include <sys/stat.h>
+#include <unistd.h>
+#include <xxhash.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <charconv>
+#include <chrono>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "common/status_macros.h"
+#include "nlohmann/json.hpp"
+
+namespace slidedp::hostd {
+namespace fs = std::filesystem;
+namespace {
+
+constexpr size_t kIoBytes = size_t{64} << 20;  // per write()/read() call
+constexpr std::string_view kStepPrefix = "step-";
+constexpr std::string_view kTmpSuffix = ".tmp";
+
+// Owns a file descriptor.
+class Fd {
+ public:
+  explicit Fd(int fd = -1) : fd_(fd) {}
+  ~Fd() {
+    if (fd_ >= 0) close(fd_);
+  }
+  Fd(const Fd&) = delete;
+  Fd& operator=(const Fd&) = delete;
+  int get() const { return fd_; }
+  absl::Status Close(const std::string& path) {
+    const int fd = fd_;
+    fd_ = -1;
+    if (fd >= 0 && close(fd) != 0) return ErrnoStatus("close " + path);
+    return absl::OkStatus();
+  }
+
+ private:
+  int fd_;
+};
+
+absl::Status WriteAll(int fd, const void* data, size_t n, const std::string& path,
+                      XXH3_state_t* hash) {
+  const char* p = static_cast<const char*>(data);
+  while (n > 0) {
+    const size_t want = std::min(n, kIoBytes);
+    const ssize_t w = write(fd, p, want);
+    if (w < 0) {
+      if (errno == EINTR) continue;
+      return ErrnoStatus("write " + path);
+    }
+    if (hash != nullptr) XXH3_64bits_update(hash, p, static_cast<size_t>(w));
+    p += w;
+    n -= static_cast<size_t>(w);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status FsyncPath(const std::string& path, bool directory) {
+  Fd fd(open(path.c_str(), (directory ? O_RDONLY | O_DIRECTORY : O_RDONLY) | O_CLOEXEC));
+  if (fd.get() < 0) return ErrnoStatus("open " + path + " for fsync");
+  if (fsync(fd.get()) != 0) return ErrnoStatus("fsync " + path);
+  return fd.Close(path);
+}
+
+// Writes `text` to `path` (truncating) and fsyncs it.
+absl::Status WriteSmallFile(const std::string& path, std::string_view text) {
+  Fd fd(open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644));
+  if (fd.get() < 0) return ErrnoStatus("create " + path);
+  RETURN_IF_ERROR(WriteAll(fd.get(), text.data(), text.size(), path, nullptr));
+  if (fsync(fd.get()) != 0) return ErrnoStatus("fsync " + path);
+  return fd.Close(path);
+}
+
+absl::StatusOr<std::string> ReadSmallFile(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return absl::NotFoundError(absl::StrCat(path, ": cannot open: ", std::strerror(errno)));
+  std::ostringstream ss;
+  ss << in.rdbuf();
+  if (in.bad()) return absl::DataLossError(absl::StrCat(path, ": read failed"));
+  return ss.str();
+}
+
+uint64_t Xxh3(std::string_view s) { return XXH3_64bits(s.data(), s.size()); }
+
+std::string Hex(uint64_t v) { return absl::StrFormat("%016x", v); }
+
+bool ParseHex(std::string_view s, uint64_t* out) {
+  if (s.size() != 16) return false;
+  auto [p, ec] = std::from_chars(s.data(), s.data() + s.size(), *out, 16);
+  return ec == std::errc() && p == s.data() + s.size();
+}
+
+// "step-<digits>" or "step-<digits>.tmp": the step; false for other names.
+bool ParseStepDirName(std::string_view name, uint64_t* step, bool* tmp) {
+  if (!name.starts_with(kStepPrefix)) return false;
+  name.remove_prefix(kStepPrefix.size());
+  *tmp = name.ends_with(kTmpSuffix);
+  if (*tmp) name.remove_suffix(kTmpSuffix.size());
+  if (name.empty() || name.size() > 20) return false;
+  auto [p, ec] = std::from_chars(name.data(), name.data() + name.size(), *step);
+  return ec == std::errc() && p == name.data() + name.size();
+}
+
+std::string MarkerText(uint64_t step, uint64_t meta_hash) {
+  return absl::StrCat(kCheckpointMagic, " ", kCheckpointFormatVersion, " step ", step,
+                      " meta_xxh64 ", Hex(meta_hash), "\n");
+}
+
+int64_t NowUnixMs() {
+  return std::chrono::duration_cast<std::chrono::milliseconds>(
+             std::chrono::system_clock::now().time_since_epoch())
+      .count();
+}
+
+std::string LayerFileName(uint32_t layer) { return absl::StrFormat("layer-%05u.bin", layer); }
+
+}  // namespace
+
+std::string CheckpointDirName(uint64_t step) { return absl::StrFormat("step-%012u", step); }
+
+// ---------------------------------------------------------------------------------------------
+// Writer
+
+absl::StatusOr<std::unique_ptr<CheckpointDirWriter>> CheckpointDirWriter::Begin(
+    const std::string& dir, uint64_t step, Options options) {
+  std::unique_ptr<CheckpointDirWriter> w(new CheckpointDirWriter());
+  w->options_ = std::move(options);
+  w->dir_ = dir;
+  w->step_ = step;
+  w->final_ = (fs::path(dir) / CheckpointDirName(step)).string();
+  w->tmp_ = w->final_ + std::string(kTmpSuffix);
+  std::error_code ec;
+  if (!fs::is_directory(dir, ec)) {
+    fs::create_directories(dir, ec);
+    if (ec) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("checkpoint.dir: cannot create ", dir, ": ", ec.message()));
+    }
+  }
+  if (fs::exists(w->final_, ec)) {
+    if (fs::exists(fs::path(w->final_) / kCheckpointMarker, ec)) {
+      return absl::AlreadyExistsError(
+          absl::StrCat("checkpoint ", w->final_, " already exists (committed)"));
+    }
+    // A directory renamed but never marked: an interrupted commit; it is garbage.
+    fs::remove_all(w->final_, ec);
+  }
+  fs::remove_all(w->tmp_, ec);
+  if (mkdir(w->tmp_.c_str(), 0755) != 0) return ErrnoStatus("mkdir " + w->tmp_);
+  w->Trace("mkdir", w->tmp_);
+  return w;
+}
+
+CheckpointDirWriter::~CheckpointDirWriter() {
+  if (!committed_ && !tmp_.empty()) {
+    std::error_code ec;
+    fs::remove_all(tmp_, ec);
+  }
+}
+
+void CheckpointDirWriter::Trace(std::string_view op, const std::string& path) const {
+  if (options_.trace) options_.trace(op, path);
+}
+
+absl::StatusOr<uint64_t> CheckpointDirWriter::WriteLayer(uint32_t layer, uint64_t numel,
+                                                         const float* master, const float* m,
+                                                         const float* v) {
+  const std::string name = LayerFileName(layer);
+  const std::string path = (fs::path(tmp_) / name).string();
+  Fd fd(open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644));
+  if (fd.get() < 0) return ErrnoStatus("create " + path);
+  LayerFileHeader h{};
+  std::memcpy(h.magic, kLayerFileMagic, sizeof(h.magic));
+  h.format = kCheckpointFormatVersion;
+  h.layer = layer;
+  h.numel = numel;
+  h.step = step_;
+  XXH3_state_t* st = XXH3_createState();
+  XXH3_64bits_reset(st);
+  absl::Status s = WriteAll(fd.get(), &h, sizeof(h), path, st);
+  for (const float* a : {master, m, v}) {
+    if (s.ok()) s = WriteAll(fd.get(), a, numel * sizeof(float), path, st);
+  }
+  const uint64_t hash = XXH3_64bits_digest(st);
+  XXH3_freeState(st);
+  RETURN_IF_ERROR(s);
+  Trace("write", path);
+  if (fsync(fd.get()) != 0) return ErrnoStatus("fsync " + path);
+  Trace("fsync", path);
+  RETURN_IF_ERROR(fd.Close(path));
+  const uint64_t size = sizeof(h) + 3 * numel * sizeof(float);
+  files_.push_back({name, layer, numel, size, hash});
+  bytes_written_ += size;
+  return size;
+}
+
+absl::StatusOr<CheckpointInfo> CheckpointDirWriter::Commit(CheckpointInfo info) {
+  const int num_layers = info.spec.manifest().layers_size();
+  std::sort(files_.begin(), files_.end(),
+            [](const CheckpointFile& a, const CheckpointFile& b) { return a.layer < b.layer; });
+  if (files_.size() != static_cast<size_t>(num_layers)) {
+    return absl::FailedPreconditionError(absl::StrCat("checkpoint ", tmp_, ": ", files_.size(),
+                                                      " layer files written, the manifest has ",
+                                                      num_layers, " layers"));
+  }
+  for (int l = 0; l < num_layers; ++l) {
+    if (files_[static_cast<size_t>(l)].layer != static_cast<uint32_t>(l)) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("checkpoint ", tmp_, ": layer ", l, " was not written"));
+    }
+  }
+  info.step = step_;
+  info.format = kCheckpointFormatVersion;
+  info.files = files_;
+  if (info.created_unix_ms == 0) info.created_unix_ms = NowUnixMs();
+
+  std::string spec_json;
+  google::protobuf::util::JsonPrintOptions jo;
+  jo.preserve_proto_field_names = true;
+  if (!google::protobuf::util::MessageToJsonString(info.spec, &spec_json, jo).ok()) {
+    return absl::InternalError("checkpoint: cannot serialize the job spec to JSON");
+  }
+  nlohmann::json meta;
+  meta["magic"] = kCheckpointMagic;
+  meta["format_version"] = kCheckpointFormatVersion;
+  meta["step"] = info.step;
+  meta["job_id"] = info.job_id;
+  meta["manifest_hash"] = info.manifest_hash;
+  meta["spec"] = nlohmann::json::parse(spec_json);
+  meta["lr_schedule"] = {
+      {"position_step", info.step}, {"next_step", info.step + 1}, {"next_lr", info.next_lr}};
+  meta["model"] = {{"initializer_range", info.initializer_range},
+                   {"config_json", info.config_json},
+                   {"source", info.model_source},
+                   {"weights_source", info.weights_source}};
+  meta["hostd_version"] = info.hostd_version;
+  meta["created_unix_ms"] = info.created_unix_ms;
+  meta["checksum"] = "xxh3_64";
+  nlohmann::json files = nlohmann::json::array();
+  uint64_t total = 0;
+  for (const CheckpointFile& f : files_) {
+    files.push_back({{"name", f.name},
+                     {"layer", f.layer},
+                     {"numel", f.numel},
+                     {"size_bytes", f.size_bytes},
+                     {"xxh64", Hex(f.xxh64)}});
+    total += f.size_bytes;
+  }
+  meta["files"] = std::move(files);
+  const std::string meta_text = meta.dump(1) + "\n";
+  const std::string meta_path = (fs::path(tmp_) / kCheckpointMeta).string();
+  RETURN_IF_ERROR(WriteSmallFile(meta_path, meta_text));
+  Trace("write", meta_path);
+  Trace("fsync", meta_path);
+  RETURN_IF_ERROR(FsyncPath(tmp_, true));
+  Trace("fsync_dir", tmp_);
+  if (rename(tmp_.c_str(), final_.c_str()) != 0) {
+    return ErrnoStatus(absl::StrCat("rename ", tmp_, " -> ", final_));
+  }
+  Trace("rename", final_);
+  committed_ = true;  // the .tmp name is gone; a failure below leaves an unmarked directory
+  RETURN_IF_ERROR(FsyncPath(dir_, true));
+  Trace("fsync_dir", dir_);
+  const std::string marker_text = MarkerText(step_, Xxh3(meta_text));
+  const std::string marker = (fs::path(final_) / kCheckpointMarker).string();
+  const std::string marker_tmp = marker + std::string(kTmpSuffix);
+  RETURN_IF_ERROR(WriteSmallFile(marker_tmp, marker_text));
+  Trace("write", marker_tmp);
+  Trace("fsync", marker_tmp);
+  if (rename(marker_tmp.c_str(), marker.c_str()) != 0) return ErrnoStatus("rename " + marker);
+  Trace("rename", marker);
+  RETURN_IF_ERROR(FsyncPath(final_, true));
+  Trace("fsync_dir", final_);
+  info.path = final_;
+  info.total_bytes = total + meta_text.size() + marker_text.size();
+  return info;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Reader
+
+absl::StatusOr<CheckpointInfo> ReadCheckpointInfo(const std::string& step_dir) {
+  std::error_code ec;
+  if (!fs::is_directory(step_dir, ec)) {
+    return absl::NotFoundError(absl::StrCat("checkpoint ", step_dir, ": no such directory"));
+  }
+  const std::string marker_path = (fs::path(step_dir) / kCheckpointMarker).string();
+  if (!fs::exists(marker_path, ec)) {
+    return absl::NotFoundError(absl::StrCat("checkpoint ", step_dir, ": no ", kCheckpointMarker,
+                                            " marker (the write did not complete)"));
+  }
+  ASSIGN_OR_RETURN(const std::string marker, ReadSmallFile(marker_path));
+  const std::string meta_path = (fs::path(step_dir) / kCheckpointMeta).string();
+  auto meta_text = ReadSmallFile(meta_path);
+  if (!meta_text.ok()) {
+    return absl::DataLossError(
+        absl::StrCat("checkpoint ", step_dir, ": ", kCheckpointMeta, " is missing"));
+  }
+  // The marker names meta.json's checksum; a marker of another format is not ours.
+  std::istringstream ms(marker);
+  std::string magic, step_word, hash_word, hash_hex;
+  uint32_t format = 0;
+  uint64_t marker_step = 0;
+  ms >> magic >> format >> step_word >> marker_step >> hash_word >> hash_hex;
+  uint64_t want_hash = 0;
+  if (!ms || magic != kCheckpointMagic || step_word != "step" || hash_word != "meta_xxh64" ||
+      !ParseHex(hash_hex, &want_hash)) {
+    return absl::DataLossError(absl::StrCat("checkpoint ", step_dir, ": ", kCheckpointMarker,
+                                            " is malformed: '", marker.substr(0, 120), "'"));
+  }
+  if (format != kCheckpointFormatVersion) {
+    return absl::InvalidArgumentError(absl::StrCat("checkpoint ", step_dir, ": format version ",
+                                                   format, "; this hostd reads format version ",
+                                                   kCheckpointFormatVersion));
+  }
+  const uint64_t have_hash = Xxh3(*meta_text);
+  if (have_hash != want_hash) {
+    return absl::DataLossError(
+        absl::StrCat("checkpoint ", step_dir, ": ", kCheckpointMeta, " has xxh64 ", Hex(have_hash),
+                     " but ", kCheckpointMarker, " says ", Hex(want_hash), " (corrupted)"));
+  }
+  CheckpointInfo info;
+  info.path = step_dir;
+  try {
+    const nlohmann::json meta = nlohmann::json::parse(*meta_text);
+    if (meta.at("magic").get<std::string>() != kCheckpointMagic) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("checkpoint ", step_dir, ": meta.json magic is not ", kCheckpointMagic));
+    }
+    info.format = meta.at("format_version").get<uint32_t>();
+    if (info.format != kCheckpointFormatVersion) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("checkpoint ", step_dir, ": format_version ", info.format,
+                       "; this hostd reads format version ", kCheckpointFormatVersion));
+    }
+    info.step = meta.at("step").get<uint64_t>();
+    info.job_id = meta.at("job_id").get<std::string>();
+    info.manifest_hash = meta.at("manifest_hash").get<std::string>();
+    const auto parsed =
+        google::protobuf::util::JsonStringToMessage(meta.at("spec").dump(), &info.spec);
+    if (!parsed.ok()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("checkpoint ", step_dir, ": meta.json spec: ", parsed.ToString()));
+    }
+    const auto& model = meta.at("model");
+    info.initializer_range = model.at("initializer_range").get<double>();
+    info.config_json = model.at("config_json").get<std::string>();
+    info.model_source = model.at("source").get<std::string>();
+    info.weights_source = model.at("weights_source").get<std::string>();
+    info.hostd_version = meta.at("hostd_version").get<std::string>();
+    info.created_unix_ms = meta.at("created_unix_ms").get<int64_t>();
+    info.next_lr = meta.at("lr_schedule").at("next_lr").get<double>();
+    for (const auto& f : meta.at("files")) {
+      CheckpointFile cf;
+      cf.name = f.at("name").get<std::string>();
+      cf.layer = f.at("layer").get<uint32_t>();
+      cf.numel = f.at("numel").get<uint64_t>();
+      cf.size_bytes = f.at("size_bytes").get<uint64_t>();
+      if (!ParseHex(f.at("xxh64").get<std::string>(), &cf.xxh64) ||
+          cf.name.find('/') != std::string::npos) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("checkpoint ", step_dir, ": meta.json file entry '", cf.name, "' is bad"));
+      }
+      info.files.push_back(std::move(cf));
+    }
+  } catch (const nlohmann::json::exception& e) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("checkpoint ", step_dir, ": meta.json: ", e.what()));
+  }
+  if (info.step != marker_step) {
+    return absl::DataLossError(absl::StrCat("checkpoint ", step_dir, ": meta.json says step ",
+                                            info.step, ", ", kCheckpointMarker, " says step ",
+                                            marker_step));
+  }
+  uint64_t dir_step = 0;
+  bool tmp = false;
+  if (ParseStepDirName(fs::path(step_dir).lexically_normal().filename().string(), &dir_step,
+                       &tmp) &&
+      (tmp || dir_step != info.step)) {
+    return absl::DataLossError(absl::StrCat("checkpoint ", step_dir, ": holds step ", info.step,
+                                            " but its directory name says ", dir_step));
+  }
+  if (info.files.size() != static_cast<size_t>(info.spec.manifest().layers_size())) {
+    return absl::DataLossError(absl::StrCat("checkpoint ", step_dir, ": ", info.files.size(),
+                                            " layer files listed, the manifest has ",
+                                            info.spec.manifest().layers_size(), " layers"));
+  }
+  uint64_t total = meta_text->size() + marker.size();
+  for (size_t i = 0; i < info.files.size(); ++i) {
+    const CheckpointFile& f = info.files[i];
+    const std::string path = (fs::path(step_dir) / f.name).string();
+    const uint64_t want = sizeof(LayerFileHeader) + 3 * f.numel * sizeof(float);
+    if (f.layer != i || f.size_bytes != want) {
+      return absl::DataLossError(absl::StrCat("checkpoint ", step_dir, ": meta.json entry of ",
+                                              f.name, " is inconsistent (layer ", f.layer,
+                                              ", size ", f.size_bytes, ", expected ", want, ")"));
+    }
+    const auto size = fs::file_size(path, ec);
+    if (ec) {
+      return absl::DataLossError(
+          absl::StrCat("checkpoint ", step_dir, ": layer file ", f.name, " is missing"));
+    }
+    if (size != f.size_bytes) {
+      return absl::DataLossError(absl::StrCat("checkpoint ", step_dir, ": layer file ", f.name,
+                                              " has ", size, " bytes, expected ", f.size_bytes,
+                                              size < f.size_bytes ? " (truncated)" : ""));
+    }
+    total += size;
+  }
+  info.total_bytes = total;
+  return info;
+}
+
+absl::Status VerifyCheckpointData(const CheckpointInfo& info) {
+  std::vector<char> buf(kIoBytes);
+  for (const CheckpointFile& f : info.files) {
+    const std::string path = (fs::path(info.path) / f.name).string();
+    Fd fd(open(path.c_str(), O_RDONLY | O_CLOEXEC));
+    if (fd.get() < 0) return ErrnoStatus("open " + path);
+    XXH3_state_t* st = XXH3_createState();
+    XXH3_64bits_reset(st);
+    uint64_t total = 0;
+    LayerFileHeader h{};
+    absl::Status s;
+    for (;;) {
+      const ssize_t r = read(fd.get(), buf.data(), buf.size());
+      if (r < 0) {
+        if (errno == EINTR) continue;
+        s = ErrnoStatus("read " + path);
+        break;
+      }
+      if (r == 0) break;
+      if (total < sizeof(h)) {
+        const size_t n = std::min<size_t>(sizeof(h) - total, static_cast<size_t>(r));
+        std::memcpy(reinterpret_cast<char*>(&h) + total, buf.data(), n);
+      }
+      XXH3_64bits_update(st, buf.data(), static_cast<size_t>(r));
+      total += static_cast<uint64_t>(r);
+    }
+    const uint64_t hash = XXH3_64bits_digest(st);
+    XXH3_freeState(st);
+    RETURN_IF_ERROR(s);
+    if (total != f.size_bytes) {
+      return absl::DataLossError(absl::StrCat("checkpoint ", info.path, ": layer file ", f.name,
+                                              " has ", total, " bytes, expected ", f.size_bytes));
+    }
+    if (hash != f.xxh64) {
+      return absl::DataLossError(absl::StrCat("checkpoint ", info.path, ": layer file ", f.name,
+                                              " has checksum ", Hex(hash), ", meta.json says ",
+                                              Hex(f.xxh64), " (corrupted)"));
+    }
+    if (std::memcmp(h.magic, kLayerFileMagic, sizeof(h.magic)) != 0 || h.layer != f.layer ||
+        h.numel != f.numel || h.step != info.step || h.format != kCheckpointFormatVersion) {
+      return absl::DataLossError(
+          absl::StrCat("checkpoint ", info.path, ": layer file ", f.name,
+                       " has a header that does not match meta.json (layer/numel/step)"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::vector<CheckpointListing>> ListCheckpoints(const std::string& dir,
+                                                               bool verify_data) {
+  std::error_code ec;
+  if (!fs::is_directory(dir, ec)) {
+    return absl::NotFoundError(absl::StrCat("checkpoint directory ", dir, " does not exist"));
+  }
+  std::vector<CheckpointListing> out;
+  for (const auto& entry : fs::directory_iterator(dir, ec)) {
+    if (!entry.is_directory(ec)) continue;
+    CheckpointListing l;
+    l.name = entry.path().filename().string();
+    if (!ParseStepDirName(l.name, &l.step, &l.temporary)) continue;
+    l.path = entry.path().string();
+    for (const auto& f : fs::directory_iterator(entry.path(), ec)) {
+      if (f.is_regular_file(ec)) l.size_bytes += f.file_size(ec);
+    }
+    if (l.temporary) {
+      l.reason = "temporary directory (a write in progress or interrupted)";
+    } else {
+      auto info = ReadCheckpointInfo(l.path);
+      absl::Status s = info.status();
+      if (s.ok()) {
+        l.created_unix_ms = info->created_unix_ms;
+        if (verify_data) s = VerifyCheckpointData(*info);
+      }
+      l.valid = s.ok();
+      if (!s.ok()) l.reason = std::string(s.message());
+    }
+    out.push_back(std::move(l));
+  }
+  std::sort(out.begin(), out.end(), [](const CheckpointListing& a, const CheckpointListing& b) {
+    return a.step != b.step ? a.step > b.step : a.temporary < b.temporary;
+  });
+  return out;
+}
+
+absl::StatusOr<CheckpointInfo> FindLatestCheckpointInfo(const std::string& path) {
+  std::error_code ec;
+  if (!fs::is_directory(path, ec)) {
+    return absl::NotFoundError(absl::StrCat("checkpoint path ", path, " is not a directory"));
+  }
+  if (fs::exists(fs::path(path) / kCheckpointMarker, ec) ||
+      fs::exists(fs::path(path) / kCheckpointMeta, ec)) {
+    return ReadCheckpointInfo(path);
+  }
+  ASSIGN_OR_RETURN(std::vector<CheckpointListing> all, ListCheckpoints(path, false));
+  std::string skipped;
+  for (const CheckpointListing& l : all) {
+    if (l.valid) return ReadCheckpointInfo(l.path);
+    absl::StrAppend(&skipped, "; ", l.name, ": ", l.reason);
+  }
+  return absl::NotFoundError(absl::StrCat("no committed checkpoint in ", path,
+                                          all.empty() ? " (no step-* directories)" : skipped));
+}
+
+absl::StatusOr<std::vector<std::string>> PruneCheckpoints(const std::string& dir,
+                                                          uint32_t keep_last,
+                                                          uint64_t protect_step) {
+  ASSIGN_OR_RETURN(std::vector<CheckpointListing> all, ListCheckpoints(dir, false));
+  std::vector<std::string> removed;
+  uint64_t newest_valid = 0;
+  bool any_valid = false;
+  uint32_t kept = 0;
+  for (const CheckpointListing& l : all) {  // newest first
+    if (!l.valid) continue;
+    if (!any_valid) newest_valid = l.step;
+    any_valid = true;
+    if (keep_last == 0 || kept < keep_last || l.step == protect_step) {
+      ++kept;
+      continue;
+    }
+    // The marker goes first (and durably), so a crash in the middle of the removal leaves an
+    // unmarked directory that every reader ignores, never a marked one with files missing.
+    const std::string marker = (fs::path(l.path) / kCheckpointMarker).string();
+    if (unlink(marker.c_str()) != 0) return ErrnoStatus("unlink " + marker);
+    RETURN_IF_ERROR(FsyncPath(l.path, true));
+    std::error_code ec;
+    fs::remove_all(l.path, ec);
+    if (ec) {
+      return absl::InternalError(absl::StrCat("remove ", l.path, ": ", ec.message()));
+    }
+    removed.push_back(l.path);
+  }
+  // Interrupted writes and removals older than the newest commit are garbage; a newer .tmp may
+  // be a write in progress.
+  for (const CheckpointListing& l : all) {
+    if (l.valid || !any_valid || l.step >= newest_valid) continue;
+    std::error_code ec;
+    fs::remove_all(l.path, ec);
+    if (!ec) removed.push_back(l.path);
+  }
+  return removed;
+}
+
+}  // namespace slidedp::hostd

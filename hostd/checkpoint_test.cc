@@ -1,0 +1,284 @@
+#include "hostd/checkpoint.h"
+
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <filesystem>
+#include <fstream>
+#include <random>
+#include <thread>
+
+#include "common/thread_pool.h"
+#include "gtest/gtest.h"
+#include "hostd/optimizer.h"
+#include "hostd/test_util.h"
+
+namespace slidedp::hostd {
+namespace {
+
+namespace fs = std::filesystem;
+namespace v1 = slidedp::v1;
+using testing::SmallModel;
+using testing::UniqueInstance;
+
+v1::OptimizerConfig Cfg() {
+  v1::OptimizerConfig c;
+  c.set_lr(1e-2);
+  c.set_beta1(0.9);
+  c.set_beta2(0.999);
+  c.set_eps(1e-8);
+  c.set_weight_decay(0.1);
+  return *NormalizeOptimizerConfig(c);
+}
+
+class CheckpointTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = fs::temp_directory_path() / UniqueInstance("ckpt");
+    fs::create_directories(dir_);
+    pool_ = std::move(*ThreadPool::Create({.num_threads = 2}));
+  }
+  void TearDown() override { fs::remove_all(dir_); }
+
+  std::unique_ptr<TrainingState> NewState(uint64_t seed) {
+    TrainingState::Options o;
+    o.instance = UniqueInstance("ck");
+    o.model = SmallModel();
+    o.model.manifest.set_manifest_hash(ManifestHashHex(ManifestHash(o.model.manifest)));
+    o.seed = seed;
+    o.mlock = MlockPolicy::kOff;
+    auto s = std::move(*TrainingState::Create(o, pool_.get()));
+    s->set_remove_on_destroy(true);
+    return s;
+  }
+
+  CheckpointInfo Describe(const TrainingState& s) {
+    CheckpointInfo info;
+    info.job_id = "default";
+    info.manifest_hash = ManifestHashHex(s.manifest_hash());
+    *info.spec.mutable_manifest() = s.model().manifest;
+    *info.spec.mutable_optimizer() = Cfg();
+    info.spec.set_world_size(1);
+    info.initializer_range = 0.02;
+    info.model_source = "test";
+    return info;
+  }
+
+  // Runs `steps` updates of every layer (highest first, as backward does) from version
+  // state.committed_version(0), gradients drawn from `rng`.
+  static void Train(UpdateWorker& w, TrainingState& s, int steps, std::mt19937& rng) {
+    std::normal_distribution<float> nd(0, 1);
+    for (int k = 0; k < steps; ++k) {
+      const uint64_t step = s.committed_version(0) + 1;
+      std::vector<std::vector<float>> grads(s.num_layers());
+      for (uint32_t l = s.num_layers(); l-- > 0;) {
+        grads[l].resize(s.layers()[l].numel);
+        for (float& g : grads[l]) g = nd(rng);
+        ASSERT_TRUE(
+            w.Submit(l, step, {grads[l].data(), kernels::GradType::kFp32, grads[l].size()}, nullptr)
+                .ok());
+      }
+      for (uint32_t l = 0; l < s.num_layers(); ++l) {
+        while (s.committed_version(l) < step)
+          std::this_thread::sleep_for(std::chrono::microseconds(50));
+      }
+    }
+  }
+
+  fs::path dir_;
+  std::unique_ptr<ThreadPool> pool_;
+};
+
+// A checkpoint taken at version t while step t+1's updates already run holds exactly version t;
+// restored into another state it reproduces master, m, v, params and versions. Pool sizes: none
+// (every layer waits for the writer or is written live: the stall path), and room for all.
+TEST_F(CheckpointTest, ConsistentWhileTrainingAndRestores) {
+  for (uint64_t pool_bytes : {uint64_t{0}, uint64_t{1} << 30}) {
+    SCOPED_TRACE(pool_bytes);
+    auto state = NewState(1);
+    UpdateWorker worker(state.get(), pool_.get(), {kernels::BestIsa(), 8192}, Cfg());
+    Checkpointer cp(state.get(), pool_.get(), {.keep_last = 0, .snapshot_pool_bytes = pool_bytes});
+    worker.SetBeforeWriteHook([&cp](uint32_t l, uint64_t s) { cp.BeforeLayerWrite(l, s); });
+    worker.Start();
+    std::mt19937 rng(7);
+    Train(worker, *state, 3, rng);
+    std::vector<uint64_t> at_t;
+    for (uint32_t l = 0; l < state->num_layers(); ++l) at_t.push_back(state->LayerChecksum(l));
+    const std::string sub = (dir_ / absl::StrCat("p", pool_bytes)).string();
+    ASSERT_TRUE(cp.Start(sub, 3, Describe(*state)).ok());
+    Train(worker, *state, 2, rng);  // steps 4, 5 overlap the write
+    auto r = cp.Wait(3, 60000);
+    ASSERT_TRUE(r.ok()) << r.status();
+    EXPECT_EQ(r->step, 3u);
+    EXPECT_TRUE(fs::exists(fs::path(r->path) / "COMMITTED"));
+    worker.Stop();
+
+    auto info = FindLatestCheckpoint(sub);
+    ASSERT_TRUE(info.ok()) << info.status();
+    EXPECT_EQ(info->step, 3u);
+    ASSERT_TRUE(VerifyCheckpointData(*info).ok());
+    auto restored = NewState(99);
+    ASSERT_NE(restored->LayerChecksum(0), at_t[0]);
+    ASSERT_TRUE(RestoreCheckpoint(*info, restored.get(), pool_.get()).ok());
+    for (uint32_t l = 0; l < restored->num_layers(); ++l) {
+      EXPECT_EQ(restored->LayerChecksum(l), at_t[l]) << "layer " << l;
+      EXPECT_EQ(restored->committed_version(l), 3u);
+    }
+    const CheckpointStats st = cp.stats();
+    EXPECT_EQ(st.checkpoints_committed, 1u);
+    EXPECT_EQ(st.layers_snapshotted + st.layers_copied_by_writer + st.layers_written_live,
+              state->num_layers());
+    if (pool_bytes == 0) {
+      EXPECT_EQ(st.layers_snapshotted + st.layers_copied_by_writer, 0u);
+      EXPECT_EQ(st.pool_high_water_bytes, 0u);
+    }
+  }
+}
+
+TEST_F(CheckpointTest, IgnoresTmpAndUnmarkedDirectoriesAndPicksNewestValid) {
+  auto state = NewState(1);
+  Checkpointer cp(state.get(), pool_.get(), {.keep_last = 0});
+  ASSERT_TRUE(cp.Start(dir_.string(), 0, Describe(*state)).ok());
+  ASSERT_TRUE(cp.Wait(0, 60000).ok());
+  // A later write that crashed before its rename, and one that crashed before its marker.
+  fs::create_directories(dir_ / (CheckpointDirName(5) + ".tmp"));
+  std::ofstream(dir_ / (CheckpointDirName(5) + ".tmp") / "layer-00000.bin") << "partial";
+  fs::copy(dir_ / CheckpointDirName(0), dir_ / CheckpointDirName(4));
+  fs::remove(dir_ / CheckpointDirName(4) / "COMMITTED");
+  auto info = FindLatestCheckpoint(dir_.string());
+  ASSERT_TRUE(info.ok()) << info.status();
+  EXPECT_EQ(info->step, 0u);
+  auto list = ListCheckpoints(dir_.string(), true);
+  ASSERT_TRUE(list.ok());
+  ASSERT_EQ(list->size(), 3u);
+  EXPECT_TRUE((*list)[0].temporary);
+  EXPECT_FALSE((*list)[0].valid);
+  EXPECT_EQ((*list)[1].step, 4u);
+  EXPECT_FALSE((*list)[1].valid);
+  EXPECT_NE((*list)[1].reason.find("no COMMITTED marker"), std::string::npos) << (*list)[1].reason;
+  EXPECT_TRUE((*list)[2].valid) << (*list)[2].reason;
+  // Naming the unmarked step directory itself is an error, not a fallback.
+  EXPECT_TRUE(
+      absl::IsNotFound(FindLatestCheckpoint((dir_ / CheckpointDirName(4)).string()).status()));
+  // A directory with none at all.
+  fs::create_directories(dir_ / "empty");
+  auto none = FindLatestCheckpoint((dir_ / "empty").string());
+  EXPECT_TRUE(absl::IsNotFound(none.status())) << none.status();
+}
+
+TEST_F(CheckpointTest, FlippedByteFailsTheChecksumNamingTheFile) {
+  auto state = NewState(1);
+  Checkpointer cp(state.get(), pool_.get(), {.keep_last = 0});
+  ASSERT_TRUE(cp.Start(dir_.string(), 0, Describe(*state)).ok());
+  auto r = cp.Wait(0, 60000);
+  ASSERT_TRUE(r.ok());
+  const std::string file = (fs::path(r->path) / "layer-00001.bin").string();
+  {
+    std::fstream f(file, std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(1000);
+    char c = 0;
+    f.read(&c, 1);
+    c = static_cast<char>(c ^ 0x10);
+    f.seekp(1000);
+    f.write(&c, 1);
+  }
+  auto info = FindLatestCheckpoint(dir_.string());
+  ASSERT_TRUE(info.ok());  // sizes and marker are fine: the data is not
+  absl::Status v = VerifyCheckpointData(*info);
+  EXPECT_TRUE(absl::IsDataLoss(v)) << v;
+  EXPECT_NE(v.message().find("layer-00001.bin"), std::string::npos) << v;
+  auto other = NewState(5);
+  absl::Status s = RestoreCheckpoint(*info, other.get(), pool_.get());
+  EXPECT_TRUE(absl::IsDataLoss(s)) << s;
+  EXPECT_NE(s.message().find("layer-00001.bin"), std::string::npos) << s;
+
+  // A truncated file is caught by the cheap check, naming the file.
+  fs::resize_file(file, fs::file_size(file) - 4);
+  auto t = ReadCheckpointInfo(r->path);
+  EXPECT_TRUE(absl::IsDataLoss(t.status())) << t.status();
+  EXPECT_NE(t.status().message().find("layer-00001.bin"), std::string::npos);
+  EXPECT_NE(t.status().message().find("truncated"), std::string::npos);
+  // A corrupted meta.json no longer matches its marker.
+  { std::ofstream(fs::path(r->path) / "meta.json", std::ios::app) << " "; }
+  auto m = ReadCheckpointInfo(r->path);
+  EXPECT_TRUE(absl::IsDataLoss(m.status())) << m.status();
+  EXPECT_NE(m.status().message().find("meta.json"), std::string::npos);
+}
+
+TEST_F(CheckpointTest, KeepLastDeletesOlderOnlyAfterCommit) {
+  auto state = NewState(1);
+  UpdateWorker worker(state.get(), pool_.get(), {kernels::BestIsa(), 8192}, Cfg());
+  Checkpointer cp(state.get(), pool_.get(), {.keep_last = 2});
+  worker.SetBeforeWriteHook([&cp](uint32_t l, uint64_t s) { cp.BeforeLayerWrite(l, s); });
+  worker.Start();
+  std::mt19937 rng(1);
+  for (uint64_t t = 1; t <= 5; ++t) {
+    Train(worker, *state, 1, rng);
+    ASSERT_TRUE(cp.Start(dir_.string(), t, Describe(*state)).ok());
+    ASSERT_TRUE(cp.Wait(t, 60000).ok());
+  }
+  worker.Stop();
+  std::vector<std::string> names;
+  for (const auto& e : fs::directory_iterator(dir_)) names.push_back(e.path().filename().string());
+  std::sort(names.begin(), names.end());
+  EXPECT_EQ(names, (std::vector<std::string>{CheckpointDirName(4), CheckpointDirName(5)}));
+  // A second checkpoint of a committed step is refused.
+  EXPECT_TRUE(absl::IsAlreadyExists(cp.Start(dir_.string(), 5, Describe(*state))));
+}
+
+// R5: each layer file is fsynced before meta.json; the .tmp directory before the rename; the
+// parent directory after it; the marker is the last file written, then its directory fsynced.
+TEST_F(CheckpointTest, DurableWriteOrder) {
+  std::vector<std::pair<std::string, std::string>> ops;
+  CheckpointDirWriter::Options o;
+  o.trace = [&ops](std::string_view op, const std::string& path) {
+    ops.emplace_back(std::string(op), fs::path(path).filename().string());
+  };
+  auto w = CheckpointDirWriter::Begin(dir_.string(), 7, o);
+  ASSERT_TRUE(w.ok());
+  std::vector<float> a(100, 1.0f);
+  auto state = NewState(1);
+  CheckpointInfo info = Describe(*state);
+  for (uint32_t l = 0; l < 2; ++l)
+    ASSERT_TRUE((*w)->WriteLayer(l, 100, a.data(), a.data(), a.data()).ok());
+  ASSERT_TRUE((*w)->Commit(info).ok());
+  const std::string tmp = CheckpointDirName(7) + ".tmp";
+  const std::string fin = CheckpointDirName(7);
+  const std::vector<std::pair<std::string, std::string>> want = {
+      {"mkdir", tmp},
+      {"write", "layer-00000.bin"},
+      {"fsync", "layer-00000.bin"},
+      {"write", "layer-00001.bin"},
+      {"fsync", "layer-00001.bin"},
+      {"write", "meta.json"},
+      {"fsync", "meta.json"},
+      {"fsync_dir", tmp},
+      {"rename", fin},
+      {"fsync_dir", dir_.filename().string()},
+      {"write", "COMMITTED.tmp"},
+      {"fsync", "COMMITTED.tmp"},
+      {"rename", "COMMITTED"},
+      {"fsync_dir", fin}};
+  EXPECT_EQ(ops, want);
+}
+
+TEST_F(CheckpointTest, ManifestMismatchNamesBothHashesAndTheTensor) {
+  auto state = NewState(1);
+  Checkpointer cp(state.get(), pool_.get(), {.keep_last = 0});
+  ASSERT_TRUE(cp.Start(dir_.string(), 0, Describe(*state)).ok());
+  ASSERT_TRUE(cp.Wait(0, 60000).ok());
+  auto info = FindLatestCheckpoint(dir_.string());
+  ASSERT_TRUE(info.ok());
+  v1::ModelManifest other = state->model().manifest;
+  other.mutable_layers(1)->mutable_tensors(0)->set_shape(1, 4);
+  absl::Status s = CheckCheckpointManifest(*info, other);
+  EXPECT_TRUE(absl::IsFailedPrecondition(s)) << s;
+  EXPECT_NE(s.message().find(ManifestHashHex(ManifestHash(other))), std::string::npos) << s;
+  EXPECT_NE(s.message().find(info->manifest_hash), std::string::npos) << s;
+  EXPECT_NE(s.message().find("block1.proj.weight"), std::string::npos) << s;
+  EXPECT_TRUE(CheckCheckpointManifest(*info, state->model().manifest).ok());
+}
+
+}  // namespace
+}  // namespace slidedp::hostd
