@@ -60,6 +60,8 @@ struct HostdConfig {
   // auto|layer|chunk: whether the GPU-reduction and reduce-scatter routes may update a layer
   // chunk by chunk as its gradient arrives (see the key's help in config.cc for the tear cost).
   std::string update_granularity = "auto";
+  // checkpoint|fresh|refuse: see hostd/recovery.h.
+  std::string recovery_on_inconsistent = "checkpoint";
   std::string config_file;  // the TOML file read, if any (not itself a key)
 };
 

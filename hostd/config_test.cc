@@ -805,10 +805,11 @@ TEST(ConfigTest, KeyListAndEnvNames) {
                         "init",
                         "log_level",
                         "heartbeat_interval_ms",
-                        "heartbeat_deadline_ms"}) {
+                        "heartbeat_deadline_ms",
+                        "recovery_on_inconsistent"}) {
     EXPECT_NE(std::find(keys.begin(), keys.end(), k), keys.end()) << k;
   }
-  EXPECT_EQ(keys.size(), 34u);
+  EXPECT_EQ(keys.size(), 35u);
   EXPECT_EQ(ConfigEnvName("world_size"), "SLIDEDP_WORLD_SIZE");
 }
 

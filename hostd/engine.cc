@@ -19,6 +19,7 @@
 #include "common/version.h"
 #include "hostd/hf_import.h"
 #include "hostd/manifest.h"
+#include "hostd/recovery.h"
 #include "hostd/safetensors.h"
 #include "spdlog/spdlog.h"
 
@@ -123,6 +124,8 @@ absl::Status Engine::Init(std::optional<Topology> topology) {
   ASSIGN_OR_RETURN(state_node_, ChooseStateNode(topology_, config_.numa_node));
   ASSIGN_OR_RETURN(worker_cpus_, WorkerCpus(topology_, state_node_, config_.update_threads));
   ASSIGN_OR_RETURN(isa_, ChooseIsa(config_.isa));
+  // Held for this engine's life: no other hostd adopts, removes or recreates our segments.
+  ASSIGN_OR_RETURN(instance_lock_, InstanceLock::Acquire(config_.instance));
   ThreadPool::Options po;
   po.num_threads = static_cast<int>(worker_cpus_.size());
   po.cpus = worker_cpus_;
@@ -287,25 +290,34 @@ absl::Status Engine::CreateJobLocked(slidedp::v1::JobSpec spec, LoadedModel mode
   so.grad_ring_slots = kGradRingSlots;
   so.grad_dtype = static_cast<uint32_t>(spec.optimizer().grad_dtype());
   so.grad_route = static_cast<uint32_t>(routes->grad_route());
-  // Segments left by an earlier hostd of this instance: one that is still alive owns them;
-  // otherwise they are stale (re-adoption is a later capability) and are removed.
-  const std::string control_name = SegmentName(config_.instance, shm::SegmentKind::kControl);
-  if (ShmSegment::Exists(control_name)) {
-    auto old = ShmSegment::Open(control_name, /*writable=*/false);
-    if (old.ok() && old->size_bytes() >= shm::kRankSlotsOffset) {
-      const auto pid = static_cast<pid_t>(
-          shm::Atomic(old->at<shm::ControlBlock>(shm::kControlBlockOffset)->hostd_pid).load());
-      if (pid > 0 && pid != getpid() && kill(pid, 0) == 0) {
-        return absl::FailedPreconditionError(absl::StrCat(
-            "instance '", config_.instance, "' is in use by hostd pid ", pid, " (segment /dev/shm/",
-            control_name, "); stop it or choose another --instance"));
-      }
-    }
-    spdlog::warn("removing stale shared-memory segments of instance '{}'", config_.instance);
-    RETURN_IF_ERROR(TrainingState::RemoveSegments(config_.instance));
+  // Segments left by an earlier hostd of this instance (dead: we hold the instance lock):
+  // re-adopted when consistent, else handled by recovery_on_inconsistent (hostd/recovery.h).
+  ASSIGN_OR_RETURN(const OnInconsistent policy,
+                   ParseOnInconsistent(config_.recovery_on_inconsistent));
+  // h-ckpt: FindLatestCheckpoint of this job goes here (hostd/checkpoint.h).
+  ASSIGN_OR_RETURN(Recovered recovered,
+                   RecoverInstance(so, policy, [] { return std::optional<std::string>(); }));
+  if (recovered.plan.action == RecoveryPlan::Action::kRestoreCheckpoint) {
+    // h-ckpt: create the state, then RestoreCheckpoint(recovered.plan.checkpoint) into it.
+    return absl::UnimplementedError(absl::StrCat("restoring checkpoint ", recovered.plan.checkpoint,
+                                                 ": this hostd cannot restore checkpoints yet"));
   }
   const auto t0 = SteadyClock::now();
-  ASSIGN_OR_RETURN(state_, TrainingState::Create(so, pool_.get()));
+  if (recovered.plan.action == RecoveryPlan::Action::kAdopt) {
+    state_ = std::move(recovered.state);
+    next_step_ = recovered.plan.step + 1;
+    steps_completed_ = recovered.plan.step;
+    spdlog::info("re-adopted job {} at step {} (instance '{}'; the job continues at step {})",
+                 spec.job_id(), recovered.plan.step, config_.instance, next_step_);
+  } else {
+    if (recovered.plan.action == RecoveryPlan::Action::kStartFresh) {
+      spdlog::warn(
+          "starting job {} fresh at step 0: the state left by a previous hostd could not be "
+          "re-adopted ({})",
+          spec.job_id(), recovered.plan.reason);
+    }
+    ASSIGN_OR_RETURN(state_, TrainingState::Create(so, pool_.get()));
+  }
   spdlog::info(
       "job '{}': model {} ({}), {} layers, {} parameters, weights {}, {:.2f} GiB shared memory, "
       "created in {:.2f} s",

@@ -18,6 +18,7 @@
 #include "common/version.h"
 #include "hostd/config.h"
 #include "hostd/manifest.h"
+#include "slidedpctl/cleanup.h"
 #include "slidedpctl/client.h"
 #include "slidedpctl/estimate.h"
 #include "slidedpctl/json_convert.h"
@@ -35,7 +36,8 @@ Exit codes:
   1  internal error in slidedpctl
   2  usage error (unknown subcommand or flag, bad value)
   3  hostd unreachable (no socket, connection refused, or no answer within --timeout-ms)
-  4  hostd rejected the request (e.g. version skew at handshake, unknown job)
+  4  hostd rejected the request (e.g. version skew at handshake, unknown job); cleanup: the
+     instance named is owned by a live hostd
   5  estimate: something does not fit this machine; doctor: a check FAILed)";
 
 struct GlobalOptions {
@@ -338,6 +340,14 @@ int Run(const std::vector<std::string>& args, std::ostream& out, std::ostream& e
                    "memory of one GPU, e.g. 80GiB (default: nvidia-smi's smallest GPU, else the "
                    "GPU figures are unchecked)")
       ->type_name("SIZE");
+  std::string cleanup_instance;
+  bool cleanup_dry_run = false;
+  CLI::App* cleanup_cmd = app.add_subcommand(
+      "cleanup",
+      "remove /dev/shm segments and lock files of hostd instances with no live hostd (never a "
+      "live one), printing what and how many bytes");
+  cleanup_cmd->add_option("--instance", cleanup_instance, "only this instance (default: all)");
+  cleanup_cmd->add_flag("--dry-run", cleanup_dry_run, "list what would be removed; remove nothing");
   CLI::App* doctor_cmd = app.add_subcommand(
       "doctor", "check host settings hostd depends on (memlock, /dev/shm, THP, NUMA, GPUs)");
 
@@ -373,6 +383,9 @@ int Run(const std::vector<std::string>& args, std::ostream& out, std::ostream& e
   // These two never talk to hostd.
   if (estimate_cmd->parsed()) return RunEstimate(est, options.json, out, err);
   if (doctor_cmd->parsed()) return RunDoctorCmd(options.json, out);
+  if (cleanup_cmd->parsed()) {
+    return RunCleanup(cleanup_instance, cleanup_dry_run, options.json, out, err);
+  }
 
   Endpoint endpoint;
   if (!options.tcp.empty()) {
