@@ -122,9 +122,9 @@ pid_t InstanceLockHolder(const std::string& instance) {
   const int fd = open(InstanceLockPath(instance).c_str(), O_RDONLY | O_CLOEXEC);
   if (fd < 0) return 0;
   pid_t holder = 0;
-  if (flock(fd, LOCK_SH | LOCK_NB) != 0) {
-    holder = errno == EWOULDBLOCK ? ReadPid(fd) : 0;
-    if (errno == EWOULDBLOCK && holder <= 0) holder = -1;
+  if (flock(fd, LOCK_SH | LOCK_NB) != 0 && errno == EWOULDBLOCK) {
+    holder = ReadPid(fd);
+    if (holder <= 0) holder = -1;
   }
   close(fd);
   return holder;

@@ -105,9 +105,23 @@ class Harness:
         logs = self.rank_logs[r][-1:] if last_only else self.rank_logs[r]
         return "".join(read(p) for p in logs)
 
+    def observed_by(self, r):
+        """The last step rank r saw complete since its last (re-)attach (attach step - 1 when it
+        completed none yet), from its newest log that says; 0 before any attach."""
+        for path in reversed(self.rank_logs[r]):
+            text = read(path)
+            attaches = list(ATTACH_RE.finditer(text))
+            if not attaches:
+                continue
+            last = attaches[-1]
+            steps = [int(m.group(2)) for m in STEP_RE.finditer(text, last.end())]
+            return steps[-1] if steps else int(last.group(2)) - 1
+        return 0
+
     def observed(self):
-        steps = [int(m.group(2)) for r in (0, 1) for m in STEP_RE.finditer(self.rank_text(r))]
-        return max(steps, default=0)
+        """The highest step a rank saw complete in the current run of steps (after a fresh
+        restart the old, rolled-back steps no longer count)."""
+        return max(self.observed_by(r) for r in (0, 1))
 
     def attach_steps(self, r):
         return [int(m.group(2)) for m in ATTACH_RE.finditer(self.rank_text(r, last_only=True))]
