@@ -217,6 +217,19 @@ absl::StatusOr<ShmSegment> ShmSegment::Open(const std::string& name, bool writab
   return seg;
 }
 
+absl::Status ShmSegment::Lock(MlockPolicy policy) {
+  if (policy == MlockPolicy::kOff || locked_ || data_ == nullptr) return absl::OkStatus();
+  if (mlock(data_, size_bytes_) == 0) {
+    locked_ = true;
+  } else if (policy == MlockPolicy::kRequired) {
+    const int err = errno;
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "segment ", name_, ": mlock of ", HumanBytes(size_bytes_), " failed: ", std::strerror(err),
+        "; raise LimitMEMLOCK / ulimit -l or use mlock = best_effort"));
+  }
+  return absl::OkStatus();
+}
+
 absl::Status ShmSegment::Remove(const std::string& name) {
   RETURN_IF_ERROR(ValidateName(name));
   if (shm_unlink(("/" + name).c_str()) != 0 && errno != ENOENT) {

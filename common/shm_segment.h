@@ -49,6 +49,9 @@ class ShmSegment {
   static absl::StatusOr<ShmSegment> Create(const CreateOptions& options);
   // Maps an existing segment; NOT_FOUND when absent, PERMISSION_DENIED when not ours to open.
   static absl::StatusOr<ShmSegment> Open(const std::string& name, bool writable);
+  // Locks an opened mapping in RAM (a re-adopted segment): RESOURCE_EXHAUSTED when `policy` is
+  // kRequired and mlock fails; kBestEffort leaves it unlocked then.
+  absl::Status Lock(MlockPolicy policy);
   // Removes the name (mappings stay valid). OK if it did not exist.
   static absl::Status Remove(const std::string& name);
   static bool Exists(const std::string& name);

@@ -563,6 +563,17 @@ std::vector<KeyDescriptor> BuildKeys() {
       "heartbeat_interval_ms.",
       kU32, [](const HostdConfig& c) { return c.heartbeat_deadline_ms; },
       [](HostdConfig& c, uint64_t v) { c.heartbeat_deadline_ms = static_cast<uint32_t>(v); }));
+
+  const std::string recovery = "Recovery";
+  k.push_back(StringEnumKey(
+      "recovery_on_inconsistent", recovery,
+      "What a starting hostd does when a crashed hostd of its instance left shared-memory state "
+      "it cannot re-adopt (a layer mid-update, layers at different versions, another model's "
+      "state): checkpoint (restore the latest checkpoint; start fresh when there is none), fresh "
+      "(remove it and start the job at step 0) or refuse (fail startup naming the layers and "
+      "versions). Consistent state (every layer at the same committed version) is always "
+      "re-adopted; a live hostd's state is never touched.",
+      {"checkpoint", "fresh", "refuse"}, &HostdConfig::recovery_on_inconsistent));
   return k;
 }
 
@@ -802,6 +813,10 @@ absl::Status Validate(const HostdConfig& c, const WhereFn& where) {
                      " but checkpoint.dir is empty; set checkpoint.dir (or every_steps 0)"));
   }
   if (!in_choices("mlock", c.mlock)) return fail("mlock", not_one_of("mlock", c.mlock));
+  if (!in_choices("recovery_on_inconsistent", c.recovery_on_inconsistent)) {
+    return fail("recovery_on_inconsistent",
+                not_one_of("recovery_on_inconsistent", c.recovery_on_inconsistent));
+  }
   if (!in_choices("shm_mode", c.shm_mode)) {
     return fail("shm_mode", not_one_of("shm_mode", c.shm_mode));
   }

@@ -75,6 +75,8 @@ struct HostdConfig {
     uint64_t snapshot_pool_bytes = 0;  // 0: auto (the state's size when MemAvailable allows)
     std::string resume;                // a checkpoint directory or step directory to start from
   } checkpoint;
+  // checkpoint|fresh|refuse: see hostd/recovery.h.
+  std::string recovery_on_inconsistent = "checkpoint";
   std::string config_file;  // the TOML file read, if any (not itself a key)
 };
 

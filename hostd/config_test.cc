@@ -846,10 +846,11 @@ TEST(ConfigTest, KeyListAndEnvNames) {
                         "checkpoint.keep_last",
                         "checkpoint.on_stop",
                         "checkpoint.snapshot_pool_bytes",
-                        "checkpoint.resume"}) {
+                        "checkpoint.resume",
+                        "recovery_on_inconsistent"}) {
     EXPECT_NE(std::find(keys.begin(), keys.end(), k), keys.end()) << k;
   }
-  EXPECT_EQ(keys.size(), 42u);
+  EXPECT_EQ(keys.size(), 43u);
   EXPECT_EQ(ConfigEnvName("world_size"), "SLIDEDP_WORLD_SIZE");
   // A key of a TOML table: the dot becomes '_'.
   EXPECT_EQ(ConfigEnvName("metrics.listen"), "SLIDEDP_METRICS_LISTEN");

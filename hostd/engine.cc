@@ -23,6 +23,7 @@
 #include "hostd/hf_import.h"
 #include "hostd/lr_schedule.h"
 #include "hostd/manifest.h"
+#include "hostd/recovery.h"
 #include "hostd/safetensors.h"
 #include "spdlog/spdlog.h"
 
@@ -152,6 +153,8 @@ absl::Status Engine::Init(std::optional<Topology> topology) {
   ASSIGN_OR_RETURN(state_node_, ChooseStateNode(topology_, config_.numa_node));
   ASSIGN_OR_RETURN(worker_cpus_, WorkerCpus(topology_, state_node_, config_.update_threads));
   ASSIGN_OR_RETURN(isa_, ChooseIsa(config_.isa));
+  // Held for this engine's life: no other hostd adopts, removes or recreates our segments.
+  ASSIGN_OR_RETURN(instance_lock_, InstanceLock::Acquire(config_.instance));
   ThreadPool::Options po;
   po.num_threads = static_cast<int>(worker_cpus_.size());
   po.cpus = worker_cpus_;
@@ -449,25 +452,44 @@ absl::Status Engine::CreateJobLocked(slidedp::v1::JobSpec spec, LoadedModel mode
   so.grad_ring_slots = kGradRingSlots;
   so.grad_dtype = static_cast<uint32_t>(spec.optimizer().grad_dtype());
   so.grad_route = static_cast<uint32_t>(routes->grad_route());
-  // Segments left by an earlier hostd of this instance: one that is still alive owns them;
-  // otherwise they are stale (re-adoption is a later capability) and are removed.
-  const std::string control_name = SegmentName(config_.instance, shm::SegmentKind::kControl);
-  if (ShmSegment::Exists(control_name)) {
-    auto old = ShmSegment::Open(control_name, /*writable=*/false);
-    if (old.ok() && old->size_bytes() >= shm::kRankSlotsOffset) {
-      const auto pid = static_cast<pid_t>(
-          shm::Atomic(old->at<shm::ControlBlock>(shm::kControlBlockOffset)->hostd_pid).load());
-      if (pid > 0 && pid != getpid() && kill(pid, 0) == 0) {
-        return absl::FailedPreconditionError(absl::StrCat(
-            "instance '", config_.instance, "' is in use by hostd pid ", pid, " (segment /dev/shm/",
-            control_name, "); stop it or choose another --instance"));
-      }
-    }
-    spdlog::warn("removing stale shared-memory segments of instance '{}'", config_.instance);
-    RETURN_IF_ERROR(TrainingState::RemoveSegments(config_.instance));
+  // Segments left by an earlier hostd of this instance (dead: we hold the instance lock):
+  // re-adopted when consistent, else handled by recovery_on_inconsistent (hostd/recovery.h).
+  ASSIGN_OR_RETURN(const OnInconsistent policy,
+                   ParseOnInconsistent(config_.recovery_on_inconsistent));
+  // Inconsistent state: the newest committed checkpoint of checkpoint.dir, if any.
+  auto find_checkpoint = [this]() -> std::optional<std::string> {
+    if (config_.checkpoint.dir.empty()) return std::nullopt;
+    absl::StatusOr<CheckpointInfo> found = FindLatestCheckpoint(config_.checkpoint.dir);
+    if (!found.ok()) return std::nullopt;
+    return found->path;
+  };
+  ASSIGN_OR_RETURN(Recovered recovered, RecoverInstance(so, policy, find_checkpoint));
+  std::optional<CheckpointInfo> recovery_checkpoint;
+  if (recovered.plan.action == RecoveryPlan::Action::kRestoreCheckpoint && resume == nullptr) {
+    absl::StatusOr<CheckpointInfo> info = FindLatestCheckpoint(recovered.plan.checkpoint);
+    if (!info.ok()) return Annotate(info.status(), "recovery");
+    RETURN_IF_ERROR(Annotate(CheckCheckpointManifest(*info, so.model.manifest), "recovery"));
+    spdlog::warn("the state left by a previous hostd could not be re-adopted ({}); restoring {}",
+                 recovered.plan.reason, info->path);
+    recovery_checkpoint = std::move(*info);
+    resume = &*recovery_checkpoint;
   }
   const auto t0 = SteadyClock::now();
-  ASSIGN_OR_RETURN(state_, TrainingState::Create(so, pool_.get()));
+  if (recovered.plan.action == RecoveryPlan::Action::kAdopt) {
+    state_ = std::move(recovered.state);
+    next_step_ = recovered.plan.step + 1;
+    steps_completed_ = recovered.plan.step;
+    spdlog::info("re-adopted job {} at step {} (instance '{}'; the job continues at step {})",
+                 spec.job_id(), recovered.plan.step, config_.instance, next_step_);
+  } else {
+    if (recovered.plan.action == RecoveryPlan::Action::kStartFresh) {
+      spdlog::warn(
+          "starting job {} fresh at step 0: the state left by a previous hostd could not be "
+          "re-adopted ({})",
+          spec.job_id(), recovered.plan.reason);
+    }
+    ASSIGN_OR_RETURN(state_, TrainingState::Create(so, pool_.get()));
+  }
   spdlog::info(
       "job '{}': model {} ({}), {} layers, {} parameters, weights {}, {:.2f} GiB shared memory, "
       "created in {:.2f} s",
@@ -1287,11 +1309,18 @@ absl::StatusOr<slidedp::v1::GetStatsResponse> Engine::GetStats(
   }
   resp.set_grad_bytes_received(reducer_->stats().bytes_reduced);
   resp.set_param_bytes_published(param_bytes_published_);
-  resp.set_checkpoint_last_step(checkpoint_step_);
-  resp.set_checkpoint_age_seconds(
-      checkpoint_time_
-          ? std::chrono::duration<double>(SteadyClock::now() - *checkpoint_time_).count()
-          : -1.0);
+  // The checkpointer's last commit, else one noted by NoteCheckpoint.
+  if (checkpointer_->last_committed_unix_ms() > 0) {
+    resp.set_checkpoint_last_step(checkpointer_->last_committed().step);
+    resp.set_checkpoint_age_seconds(
+        static_cast<double>(UnixMs() - checkpointer_->last_committed_unix_ms()) / 1000.0);
+  } else {
+    resp.set_checkpoint_last_step(checkpoint_step_);
+    resp.set_checkpoint_age_seconds(
+        checkpoint_time_
+            ? std::chrono::duration<double>(SteadyClock::now() - *checkpoint_time_).count()
+            : -1.0);
+  }
   resp.set_exports_completed(exports_completed_);
   resp.set_step_running(running_step_);
   const CheckpointStats cs = checkpointer_->stats();

@@ -45,6 +45,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
+#include "common/instance_files.h"
 #include "common/thread_pool.h"
 #include "hostd/checkpoint.h"
 #include "hostd/config.h"
@@ -198,6 +199,8 @@ class Engine {
   std::vector<int> worker_cpus_;
   kernels::Isa isa_ = kernels::Isa::kScalar;
   std::unique_ptr<ThreadPool> pool_;
+  // The instance's lock (common/instance_files.h); released after the state is destroyed.
+  std::unique_ptr<InstanceLock> instance_lock_;
 
   mutable absl::Mutex mu_;
   bool serving_ ABSL_GUARDED_BY(mu_) = true;

@@ -118,11 +118,48 @@ TEST_F(EngineTest, HandshakeVersionSkewIsFailedPreconditionNamingBoth) {
   EXPECT_EQ(s.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
   EXPECT_NE(s.error_message().find("9.9.9"), std::string::npos) << s.error_message();
   EXPECT_NE(s.error_message().find(kVersion), std::string::npos) << s.error_message();
-  grpc::ClientContext ctx2;
+  // The same protocol with another shared-memory ABI: refused, both ABI versions named.
+  grpc::ClientContext ctx_abi;
   req.mutable_client()->set_protocol_version(kProtocolVersion);
+  req.mutable_client()->set_shm_abi_version(kShmAbiVersion + 1);
+  s = stub_->Handshake(&ctx_abi, req, &resp);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+  EXPECT_NE(s.error_message().find(
+                absl::StrCat("uses shm_abi_version ", kShmAbiVersion + 1, " but hostd")),
+            std::string::npos)
+      << s.error_message();
+  EXPECT_NE(s.error_message().find(absl::StrCat("uses shm_abi_version ", kShmAbiVersion, ";")),
+            std::string::npos)
+      << s.error_message();
+  grpc::ClientContext ctx2;
   req.mutable_client()->set_shm_abi_version(kShmAbiVersion);
   EXPECT_TRUE(stub_->Handshake(&ctx2, req, &resp).ok());
   EXPECT_EQ(resp.daemon().component(), "hostd");
+}
+
+TEST_F(EngineTest, RankRefusesSegmentOfAnotherShmAbiNamingBothVersions) {
+  Start();
+  const std::string params = SegmentName(config_.instance, shm::SegmentKind::kParams);
+  {
+    auto seg = ShmSegment::Open(params, /*writable=*/true);
+    ASSERT_TRUE(seg.ok()) << seg.status();
+    seg->at<shm::SegmentHeader>(0)->abi_version = shm::kAbiVersion + 1;
+  }
+  rankclient::RankClient::Options o;
+  o.socket = config_.socket;
+  o.rank = 0;
+  o.manifest_hash = Hash();
+  auto c = rankclient::RankClient::Attach(o);
+  ASSERT_FALSE(c.ok());
+  EXPECT_EQ(c.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_NE(c.status().message().find(absl::StrCat("has shm abi_version ", shm::kAbiVersion + 1,
+                                                   " but this rankclient uses shm abi_version ",
+                                                   shm::kAbiVersion)),
+            std::string::npos)
+      << c.status();
+  auto seg = ShmSegment::Open(params, /*writable=*/true);
+  ASSERT_TRUE(seg.ok());
+  seg->at<shm::SegmentHeader>(0)->abi_version = shm::kAbiVersion;
 }
 
 TEST_F(EngineTest, BadInputGetsSpecificStatusAndLeavesStateUntouched) {

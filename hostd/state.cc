@@ -86,7 +86,7 @@ absl::StatusOr<std::unique_ptr<TrainingState>> TrainingState::Create(const Optio
   return s;
 }
 
-absl::Status TrainingState::Initialize(const Options& options, ThreadPool* pool) {
+void TrainingState::ComputeLayout(const Options& options) {
   model_ = options.model;
   manifest_hash_ = ManifestHash(model_.manifest);
   world_size_ = options.world_size;
@@ -118,6 +118,14 @@ absl::Status TrainingState::Initialize(const Options& options, ThreadPool* pool)
     total_params_ += info.numel;
     layers_.push_back(std::move(info));
   }
+  state_bytes_ = state_off;
+  param_bytes_ = param_off;
+}
+
+absl::Status TrainingState::Initialize(const Options& options, ThreadPool* pool) {
+  ComputeLayout(options);
+  const uint64_t state_off = state_bytes_;
+  const uint64_t param_off = param_bytes_;
 
   if (const ImportPlan* plan = options.import; plan != nullptr) {
     bool fits = plan->sources.size() == layers_.size();
@@ -253,6 +261,123 @@ absl::Status TrainingState::Initialize(const Options& options, ThreadPool* pool)
   }
   set_remove_on_destroy(false);
   return absl::OkStatus();
+}
+
+absl::StatusOr<std::unique_ptr<TrainingState>> TrainingState::Open(const Options& options) {
+  RETURN_IF_ERROR(ValidateManifest(options.model.manifest));
+  if (options.world_size < 1 || options.world_size > shm::kMaxRanks) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("world_size: must be in 1..", shm::kMaxRanks, ", got ", options.world_size));
+  }
+  std::unique_ptr<TrainingState> s(new TrainingState());
+  s->ComputeLayout(options);
+  s->chunk_bytes_ = options.chunk_bytes;
+  s->grad_ring_slots_ = options.grad_ring_slots;
+  s->weights_source_ = "re-adopted shared memory";
+  const uint32_t nl = s->num_layers();
+  const std::string& inst = options.instance;
+  struct Want {
+    shm::SegmentKind kind;
+    ShmSegment* seg;
+    uint64_t bytes;
+  };
+  const Want wants[] = {
+      {shm::SegmentKind::kControl, &s->control_,
+       shm::ControlSegmentBytes(nl, s->world_size_, s->grad_ring_slots_)},
+      {shm::SegmentKind::kState, &s->state_, s->state_bytes_},
+      {shm::SegmentKind::kParams, &s->params_, s->param_bytes_},
+      {shm::SegmentKind::kGrads, &s->grads_,
+       shm::GradSlotOffset(s->world_size_, 0, s->grad_ring_slots_, s->chunk_bytes_)}};
+  uint64_t nonce = 0;
+  for (const Want& w : wants) {
+    const std::string name = SegmentName(inst, w.kind);
+    ASSIGN_OR_RETURN(*w.seg, ShmSegment::Open(name, /*writable=*/true));
+    const uint64_t size = shm::AlignUp(w.bytes, shm::kPayloadAlign);
+    auto mismatch = [&](absl::string_view field, auto found, auto want) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("segment ", name, ": ", field, " is ", found, ", expected ", want));
+    };
+    if (w.seg->size_bytes() < shm::kHeaderBytes) {
+      return mismatch("file size", w.seg->size_bytes(), size);
+    }
+    const shm::SegmentHeader& h = *w.seg->at<shm::SegmentHeader>(0);
+    if (shm::Atomic(const_cast<uint64_t&>(h.ready)).load(std::memory_order_acquire) != 1) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("segment ", name, ": not ready (its creation did not finish)"));
+    }
+    if (const char* bad = shm::ValidateHeader(h, w.kind, size, s->manifest_hash_)) {
+      const absl::string_view field(bad);
+      if (field == "magic") return mismatch(field, absl::Hex(h.magic), absl::Hex(shm::kMagic));
+      if (field == "abi_version") return mismatch(field, h.abi_version, shm::kAbiVersion);
+      if (field == "kind") return mismatch(field, h.kind, static_cast<uint32_t>(w.kind));
+      if (field == "size_bytes") return mismatch(field, h.size_bytes, size);
+      if (field == "manifest_hash") {
+        return mismatch("manifest_hash (another model's state)", ManifestHashHex(h.manifest_hash),
+                        ManifestHashHex(s->manifest_hash_));
+      }
+      return mismatch(field, h.payload_offset, shm::kHeaderBytes);
+    }
+    if (w.seg->size_bytes() != size) return mismatch("file size", w.seg->size_bytes(), size);
+    if (h.layer_count != nl) return mismatch("layer_count", h.layer_count, nl);
+    if (h.world_size != s->world_size_) return mismatch("world_size", h.world_size, s->world_size_);
+    if (w.kind == shm::SegmentKind::kControl) {
+      nonce = h.instance_nonce;
+    } else if (h.instance_nonce != nonce) {
+      return mismatch("instance_nonce (segments of different creations)",
+                      absl::Hex(h.instance_nonce), absl::Hex(nonce));
+    }
+  }
+  const shm::ControlBlock& cb = s->control();
+  auto cb_mismatch = [](absl::string_view field, uint64_t found, uint64_t want) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("control block: ", field, " is ", found, ", expected ", want));
+  };
+  if (cb.chunk_bytes != s->chunk_bytes_) {
+    return cb_mismatch("chunk_bytes", cb.chunk_bytes, s->chunk_bytes_);
+  }
+  if (cb.grad_ring_slots != s->grad_ring_slots_) {
+    return cb_mismatch("grad_ring_slots", cb.grad_ring_slots, s->grad_ring_slots_);
+  }
+  if (cb.grad_dtype != options.grad_dtype) {
+    return cb_mismatch("grad_dtype", cb.grad_dtype, options.grad_dtype);
+  }
+  if (cb.grad_route != options.grad_route) {
+    return cb_mismatch("grad_route", cb.grad_route, options.grad_route);
+  }
+  for (ShmSegment* seg : {&s->control_, &s->state_, &s->params_, &s->grads_}) {
+    RETURN_IF_ERROR(seg->Lock(options.mlock));
+  }
+  return s;
+}
+
+void TrainingState::ResetControlForAdoption(uint64_t next_step) const {
+  shm::ControlBlock& cb = control();
+  for (uint32_t r = 0; r < shm::kMaxRanks; ++r) {
+    shm::RankSlot& rs = rank_slot(r);
+    shm::Atomic(rs.attached).store(0, std::memory_order_release);
+    shm::Atomic(rs.pid).store(0);
+    shm::Atomic(rs.heartbeat_ns).store(0);
+    shm::Atomic(rs.step).store(0);
+  }
+  for (uint32_t r = 0; r < world_size_; ++r) {
+    for (uint32_t k = 0; k < grad_ring_slots_; ++k) {
+      shm::ChunkSlot& slot = chunk_slot(r, k);
+      shm::Atomic(slot.state).store(shm::kSlotEmpty, std::memory_order_release);
+      shm::Atomic(slot.wake_seq).fetch_add(1, std::memory_order_acq_rel);
+      FutexWakeAll(&slot.wake_seq);
+    }
+  }
+  shm::Atomic(cb.next_step).store(next_step, std::memory_order_release);
+  shm::Atomic(cb.step_state).store(static_cast<uint64_t>(shm::StepState::kIdle));
+  shm::Atomic(cb.hostd_pid).store(static_cast<uint64_t>(getpid()));
+  shm::Atomic(cb.shutting_down).store(0, std::memory_order_release);
+  shm::Atomic(cb.abort_epoch).fetch_add(1, std::memory_order_acq_rel);
+  shm::Atomic(cb.wake_seq).fetch_add(1, std::memory_order_acq_rel);
+  FutexWakeAll(&cb.wake_seq);
+}
+
+uint64_t TrainingState::pending_version(uint32_t layer) const {
+  return shm::Atomic(layer_control(layer).pending_version).load(std::memory_order_acquire);
 }
 
 TrainingState::~TrainingState() = default;

@@ -91,6 +91,20 @@ class TrainingState {
   // plan that does not fit it, or ImportTensor's errors (no segment is left behind then).
   static absl::StatusOr<std::unique_ptr<TrainingState>> Create(const Options& options,
                                                                ThreadPool* pool);
+  // Maps the segments a previous hostd of options.instance left behind (re-adoption after a
+  // crash, see hostd/recovery.h), without touching their data. Every segment must exist and be
+  // ready, and its header must match what Create would write for `options`: magic, ABI
+  // version, kind, size, manifest hash, layer count, world size, and one creation nonce; the
+  // control block must have the same chunk_bytes, grad_ring_slots, grad_dtype and grad_route.
+  // NOT_FOUND when a segment is missing, FAILED_PRECONDITION naming the segment, the field, the
+  // value found and the value expected otherwise. The versions are left for the caller to judge
+  // (committed_version / pending_version); ResetControlForAdoption makes the control plane fresh.
+  static absl::StatusOr<std::unique_ptr<TrainingState>> Open(const Options& options);
+  // After Open: this process owns the state; rank slots and gradient ring slots are emptied, the
+  // step state is idle, next_step = `next_step`, and waiters of the dead hostd are woken (the
+  // abort epoch is bumped so a rank of the old hostd cannot mistake the new one's steps).
+  void ResetControlForAdoption(uint64_t next_step) const;
+  uint64_t pending_version(uint32_t layer) const;
   // Removes every segment name of `instance` (stale state nobody will adopt).
   static absl::Status RemoveSegments(const std::string& instance);
 
@@ -152,6 +166,9 @@ class TrainingState {
  private:
   TrainingState() = default;
   absl::Status Initialize(const Options& options, ThreadPool* pool);
+  // Fills model_, manifest_hash_, world_size_, numa_node_, layers_, total_params_ and the two
+  // data segments' byte sizes from `options` (no memory is touched).
+  void ComputeLayout(const Options& options);
 
   LoadedModel model_;
   uint64_t manifest_hash_ = 0;
@@ -162,6 +179,8 @@ class TrainingState {
   std::string weights_source_;
   uint64_t chunk_bytes_ = 0;
   uint32_t grad_ring_slots_ = 0;
+  uint64_t state_bytes_ = 0;  // unaligned end of the state segment's layout
+  uint64_t param_bytes_ = 0;  // unaligned end of the params segment's layout
   // Declared in creation order; destroyed in reverse.
   ShmSegment control_;
   ShmSegment state_;

@@ -201,6 +201,12 @@ absl::Status RankClient::Init() {
     }
     if (const char* bad = shm::ValidateHeader(*h, static_cast<shm::SegmentKind>(seg.kind()),
                                               seg.size_bytes(), hash)) {
+      if (absl::string_view(bad) == "abi_version") {
+        return absl::FailedPreconditionError(
+            absl::StrCat("version skew: segment ", seg.name(), " has shm abi_version ",
+                         h->abi_version, " but this rankclient uses shm abi_version ",
+                         shm::kAbiVersion, "; install matching versions of hostd and the client"));
+      }
       return absl::FailedPreconditionError(
           absl::StrCat("segment ", seg.name(), ": header field '", bad,
                        "' does not match the layout hostd sent (stale or foreign segment?)"));

@@ -25,6 +25,7 @@
 #include "hostd/checkpoint_format.h"
 #include "hostd/config.h"
 #include "hostd/manifest.h"
+#include "slidedpctl/cleanup.h"
 #include "slidedpctl/client.h"
 #include "slidedpctl/estimate.h"
 #include "slidedpctl/format.h"
@@ -44,7 +45,8 @@ Exit codes:
   1  internal error in slidedpctl
   2  usage error (unknown subcommand or flag, bad value)
   3  hostd unreachable (no socket, connection refused, or no answer within --timeout-ms)
-  4  hostd rejected the request (e.g. version skew at handshake, unknown job)
+  4  hostd rejected the request (e.g. version skew at handshake, unknown job); cleanup: the
+     instance named is owned by a live hostd
   5  estimate: something does not fit this machine; doctor: a check FAILed)";
 
 struct GlobalOptions {
@@ -546,6 +548,14 @@ int Run(const std::vector<std::string>& args, std::ostream& out, std::ostream& e
       ->type_name("DIR")
       ->required();
   checkpoints_cmd->add_flag("--verify", verify, "also verify every file's checksum (reads all)");
+  std::string cleanup_instance;
+  bool cleanup_dry_run = false;
+  CLI::App* cleanup_cmd = app.add_subcommand(
+      "cleanup",
+      "remove /dev/shm segments and lock files of hostd instances with no live hostd (never a "
+      "live one), printing what and how many bytes");
+  cleanup_cmd->add_option("--instance", cleanup_instance, "only this instance (default: all)");
+  cleanup_cmd->add_flag("--dry-run", cleanup_dry_run, "list what would be removed; remove nothing");
   CLI::App* doctor_cmd = app.add_subcommand(
       "doctor", "check host settings hostd depends on (memlock, /dev/shm, THP, NUMA, GPUs)");
 
@@ -582,6 +592,9 @@ int Run(const std::vector<std::string>& args, std::ostream& out, std::ostream& e
   if (estimate_cmd->parsed()) return RunEstimate(est, options.json, out, err);
   if (doctor_cmd->parsed()) return RunDoctorCmd(options.json, out);
   if (checkpoints_cmd->parsed()) return RunCheckpoints(list_dir, verify, options.json, out, err);
+  if (cleanup_cmd->parsed()) {
+    return RunCleanup(cleanup_instance, cleanup_dry_run, options.json, out, err);
+  }
 
   Endpoint endpoint;
   if (!options.tcp.empty()) {

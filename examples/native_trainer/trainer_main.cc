@@ -9,6 +9,13 @@
 // backward from the last layer, each layer's FP32 gradient pushed as soon as it is computed;
 // WaitStep(t). Rank r trains on the samples [r*B/R, (r+1)*B/R) of the global batch B.
 //
+// The loop starts at the step hostd reports at attach (AttachRankResponse.next_step: 1 for a new
+// job, t + 1 for a job re-adopted at step t) and ends after step --steps. With --reattach-ms N,
+// a step that fails with UNAVAILABLE (hostd died or stopped) or ABORTED (hostd aborted it: a rank
+// died) does not end the process: it drops its session, attaches again (creating the job again
+// with --create-job; hostd re-adopts or recreates its state) for up to N ms, and goes on from the
+// step hostd then reports. Each re-attach prints "rank r: re-attached at step t (...)".
+//
 // Output: one line per step (this rank's shard loss, its contribution to the global loss; the
 // global samples/s; the time spent waiting on layer versions) and a summary. --stamps FILE
 // writes one JSON line per parameter fetch: {"rank","step","layer","phase":"fwd","version"}.
@@ -47,6 +54,7 @@ constexpr int kFp32 = 1;  // RankClient dtype code
 struct TrainerFlags : RankFlags {
   MlpRunFlags run;
   std::string stamps;
+  uint32_t reattach_ms = 0;
 };
 
 double Ms(Clock::duration d) { return std::chrono::duration<double, std::milli>(d).count(); }
@@ -62,6 +70,10 @@ class Trainer {
  private:
   absl::Status CreateJob();
   absl::Status Attach();
+  // CreateJob (with --create-job), Attach, CheckLayout.
+  absl::Status Connect();
+  // Connect, retried for up to --reattach-ms while hostd is away or the old session lingers.
+  absl::Status Reconnect();
   absl::Status CheckLayout() const;
   absl::Status Step(uint64_t t);
 
@@ -103,6 +115,29 @@ absl::Status Trainer::Attach() {
   o.timeout_ms = f_.timeout_ms;
   ASSIGN_OR_RETURN(client_, RankClient::AttachWhenReady(o, kJobWait));
   return absl::OkStatus();
+}
+
+absl::Status Trainer::Connect() {
+  if (f_.create_job) RETURN_IF_ERROR(CreateJob());
+  RETURN_IF_ERROR(Attach());
+  return CheckLayout();
+}
+
+absl::Status Trainer::Reconnect() {
+  const auto deadline = Clock::now() + std::chrono::milliseconds(f_.reattach_ms);
+  for (;;) {
+    client_.reset();
+    absl::Status s = Connect();
+    if (s.ok()) return s;
+    // Transient while hostd restarts: not listening (UNAVAILABLE), no job yet, our previous
+    // session not yet seen closed (ALREADY_EXISTS), a step aborted under us.
+    const bool transient = absl::IsUnavailable(s) || absl::IsAborted(s) ||
+                           absl::IsAlreadyExists(s) || absl::IsDeadlineExceeded(s) ||
+                           (absl::IsFailedPrecondition(s) &&
+                            absl::StrContains(s.message(), "attach before the model exists"));
+    if (!transient || Clock::now() >= deadline) return s;
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
 }
 
 // The job must be the one this process computes: same world size, FP32 gradients, and every
@@ -182,13 +217,13 @@ absl::Status Trainer::Run() {
       return absl::InvalidArgumentError(absl::StrCat("--stamps: cannot write ", f_.stamps));
     }
   }
-  if (f_.create_job) RETURN_IF_ERROR(CreateJob());
-  RETURN_IF_ERROR(Attach());
-  RETURN_IF_ERROR(CheckLayout());
+  RETURN_IF_ERROR(f_.reattach_ms > 0 ? Reconnect() : Connect());
   const uint64_t per_rank = f_.run.model.batch / f_.run.world_size;
   std::printf(
-      "rank %u/%u: attached; samples [%llu, %llu) of a global batch of %u, %u layers of %u\n",
-      f_.rank, f_.run.world_size, static_cast<unsigned long long>(f_.rank * per_rank),
+      "rank %u/%u: attached at step %llu; samples [%llu, %llu) of a global batch of %u, %u layers "
+      "of %u\n",
+      f_.rank, f_.run.world_size, static_cast<unsigned long long>(client_->next_step_at_attach()),
+      static_cast<unsigned long long>(f_.rank * per_rank),
       static_cast<unsigned long long>((f_.rank + 1) * per_rank), f_.run.model.batch,
       f_.run.model.layers, f_.run.model.dim);
   std::fflush(stdout);
@@ -203,14 +238,26 @@ absl::Status Trainer::Run() {
     std::printf("rank %u: the job continues at step %llu\n", f_.rank,
                 static_cast<unsigned long long>(first));
   }
+  uint64_t steps_run = 0;
   for (uint64_t t = first; t <= f_.run.steps; ++t) {
     step_ = t;
     push_ms_ = 0;
     const auto s0 = Clock::now();
-    RETURN_IF_ERROR(Step(t));
+    if (absl::Status s = Step(t); !s.ok()) {
+      if (f_.reattach_ms == 0 || !(absl::IsUnavailable(s) || absl::IsAborted(s))) return s;
+      std::fprintf(stderr, "rank %u: step %llu: %s; re-attaching\n", f_.rank,
+                   static_cast<unsigned long long>(t), s.ToString().c_str());
+      RETURN_IF_ERROR(Reconnect());
+      std::printf("rank %u: re-attached at step %llu (step %llu had failed: %s)\n", f_.rank,
+                  static_cast<unsigned long long>(client_->next_step_at_attach()),
+                  static_cast<unsigned long long>(t), absl::StatusCodeToString(s.code()).c_str());
+      std::fflush(stdout);
+      t = client_->next_step_at_attach() - 1;  // the loop's ++t
+      continue;
+    }
     const double step_ms = Ms(Clock::now() - s0);
     total_wait_ms += wait_ms_;
-    if (t == first) first_loss = loss_;
+    if (steps_run++ == 0) first_loss = loss_;
     std::printf(
         "rank %u step %4llu  shard_loss %.6e  step_ms %7.2f  samples/s %9.1f (global)  "
         "version_wait_ms %6.2f  push_ms %6.2f  end_wait_ms %6.2f\n",
@@ -220,12 +267,11 @@ absl::Status Trainer::Run() {
   }
   const double total_s = Ms(Clock::now() - start) / 1000.0;
   RETURN_IF_ERROR(client_->Detach());
-  const uint64_t ran = f_.run.steps >= first ? f_.run.steps - first + 1 : 0;
   std::printf(
       "rank %u summary: %llu steps in %.2f s, %.1f samples/s (global), version wait %.2f ms "
       "(%.1f%%), shard_loss %.6e -> %.6e (rank's share of the global loss)\n",
-      f_.rank, static_cast<unsigned long long>(ran), total_s,
-      total_s > 0 ? ran * f_.run.model.batch / total_s : 0.0, total_wait_ms,
+      f_.rank, static_cast<unsigned long long>(steps_run), total_s,
+      total_s > 0 ? steps_run * f_.run.model.batch / total_s : 0.0, total_wait_ms,
       total_s > 0 ? total_wait_ms / (10.0 * total_s) : 0.0, first_loss, loss_);
   std::fflush(stdout);
   return absl::OkStatus();
@@ -241,6 +287,10 @@ int main(int argc, char** argv) {
   slidedp::examples::AddMlpRunFlags(app, &f.run);
   slidedp::examples::AddRankFlags(app, &f);
   app.add_option("--stamps", f.stamps, "Write the fetched versions as JSON lines to this file");
+  app.add_option("--reattach-ms", f.reattach_ms,
+                 "On UNAVAILABLE or ABORTED, attach again (hostd restarted or a rank died) for up "
+                 "to this long and go on from hostd's step; 0: exit instead")
+      ->capture_default_str();
   CLI11_PARSE(app, argc, argv);
 
   slidedp::examples::Trainer trainer(f);

@@ -1,0 +1,210 @@
+#include "hostd/recovery.h"
+
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "common/instance_files.h"
+#include "gtest/gtest.h"
+#include "hostd/test_util.h"
+
+namespace slidedp::hostd {
+namespace {
+
+using testing::SmallModel;
+using testing::UniqueInstance;
+using Action = RecoveryPlan::Action;
+
+TrainingState::Options Opts(const std::string& instance) {
+  TrainingState::Options o;
+  o.instance = instance;
+  o.model = SmallModel();
+  o.seed = 5;
+  o.mlock = MlockPolicy::kBestEffort;
+  o.instance_nonce = 42;
+  return o;
+}
+
+// A hostd that "crashed": its state is left in /dev/shm (remove_on_destroy stays false).
+void CrashedState(const TrainingState::Options& o, uint64_t version, uint64_t* checksum) {
+  auto s = TrainingState::Create(o, nullptr);
+  ASSERT_TRUE(s.ok()) << s.status();
+  for (uint32_t l = 0; l < (*s)->num_layers(); ++l) {
+    (*s)->master(l)[0] += static_cast<float>(version);  // state that is not the init
+    (*s)->BeginLayerWrite(l, version);
+    (*s)->PublishLayer(l, version);
+  }
+  shm::Atomic((*s)->control().abort_epoch).store(3);
+  shm::Atomic((*s)->rank_slot(1).attached).store(1);
+  shm::Atomic((*s)->chunk_slot(0, 2).state).store(shm::kSlotFull);
+  if (checksum != nullptr) *checksum = (*s)->Checksum();
+}
+
+bool AnySegment(const std::string& inst) {
+  for (auto k : {shm::SegmentKind::kControl, shm::SegmentKind::kState, shm::SegmentKind::kParams,
+                 shm::SegmentKind::kGrads}) {
+    if (ShmSegment::Exists(SegmentName(inst, k))) return true;
+  }
+  return false;
+}
+
+TEST(PlanRecoveryTest, Decisions) {
+  FoundState none;
+  EXPECT_EQ(PlanRecovery(none, OnInconsistent::kRefuse, std::nullopt).action, Action::kCreate);
+
+  FoundState ok;
+  ok.exists = true;
+  ok.committed = {7, 7, 7};
+  ok.pending = {7, 7, 7};
+  RecoveryPlan p = PlanRecovery(ok, OnInconsistent::kRefuse, std::nullopt);
+  EXPECT_EQ(p.action, Action::kAdopt);
+  EXPECT_EQ(p.step, 7u);
+  EXPECT_TRUE(p.reason.empty());
+
+  FoundState mixed = ok;
+  mixed.committed = {8, 8, 7, 7};
+  mixed.pending = {8, 8, 8, 7};
+  p = PlanRecovery(mixed, OnInconsistent::kRefuse, std::nullopt);
+  EXPECT_EQ(p.action, Action::kRefuse);
+  EXPECT_EQ(p.reason,
+            "mid-update or torn: layer 2 (pending version 8, committed 7); committed versions "
+            "disagree: layers 0-1 at 8, layers 2-3 at 7");
+  EXPECT_EQ(PlanRecovery(mixed, OnInconsistent::kFresh, std::nullopt).action, Action::kStartFresh);
+  p = PlanRecovery(mixed, OnInconsistent::kCheckpoint, std::nullopt);
+  EXPECT_EQ(p.action, Action::kStartFresh);
+  EXPECT_NE(p.reason.find("no checkpoint found"), std::string::npos) << p.reason;
+  p = PlanRecovery(mixed, OnInconsistent::kCheckpoint, std::string("/ckpt/step-7"));
+  EXPECT_EQ(p.action, Action::kRestoreCheckpoint);
+  EXPECT_EQ(p.checkpoint, "/ckpt/step-7");
+
+  FoundState foreign;
+  foreign.exists = true;
+  foreign.headers = absl::FailedPreconditionError("segment x: manifest_hash is a, expected b");
+  p = PlanRecovery(foreign, OnInconsistent::kRefuse, std::nullopt);
+  EXPECT_EQ(p.action, Action::kRefuse);
+  EXPECT_NE(p.reason.find("manifest_hash is a, expected b"), std::string::npos) << p.reason;
+
+  EXPECT_TRUE(ParseOnInconsistent("fresh").ok());
+  EXPECT_EQ(ParseOnInconsistent("sometimes").status().message(),
+            "recovery_on_inconsistent: 'sometimes' is not one of checkpoint, fresh, refuse");
+}
+
+TEST(RecoverInstanceTest, NothingFoundCreates) {
+  auto r = RecoverInstance(Opts(UniqueInstance("none")), OnInconsistent::kRefuse, nullptr);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->plan.action, Action::kCreate);
+  EXPECT_EQ(r->state, nullptr);
+}
+
+TEST(RecoverInstanceTest, ConsistentStateIsAdoptedInPlace) {
+  const auto o = Opts(UniqueInstance("adopt"));
+  uint64_t before = 0;
+  ASSERT_NO_FATAL_FAILURE(CrashedState(o, 6, &before));
+  auto r = RecoverInstance(o, OnInconsistent::kRefuse, nullptr);
+  ASSERT_TRUE(r.ok()) << r.status();
+  ASSERT_EQ(r->plan.action, Action::kAdopt);
+  EXPECT_EQ(r->plan.step, 6u);
+  TrainingState& s = *r->state;
+  EXPECT_EQ(s.Checksum(), before);  // mapped, not re-initialized
+  EXPECT_EQ(s.control().next_step, 7u);
+  EXPECT_EQ(s.control().hostd_pid, static_cast<uint64_t>(getpid()));
+  EXPECT_EQ(s.control().abort_epoch, 4u);  // old waiters see an abort
+  EXPECT_EQ(s.rank_slot(1).attached, 0u);
+  EXPECT_EQ(s.chunk_slot(0, 2).state, shm::kSlotEmpty);
+  s.set_remove_on_destroy(true);
+  r->state.reset();
+  EXPECT_FALSE(AnySegment(o.instance));
+}
+
+TEST(RecoverInstanceTest, MidUpdateLayerIsRefusedOrStartedFresh) {
+  const auto o = Opts(UniqueInstance("torn"));
+  ASSERT_NO_FATAL_FAILURE(CrashedState(o, 3, nullptr));
+  {
+    auto s = TrainingState::Open(o);
+    ASSERT_TRUE(s.ok()) << s.status();
+    (*s)->BeginLayerWrite(1, 4);  // hostd died while writing layer 1's step 4
+  }
+  auto refused = RecoverInstance(o, OnInconsistent::kRefuse, nullptr);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kFailedPrecondition);
+  const std::string msg(refused.status().message());
+  EXPECT_NE(msg.find("layer 1 (pending version 4, committed 3)"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("slidedpctl cleanup --instance " + o.instance), std::string::npos) << msg;
+  EXPECT_TRUE(AnySegment(o.instance));  // refuse leaves the evidence
+
+  auto fresh = RecoverInstance(o, OnInconsistent::kFresh, nullptr);
+  ASSERT_TRUE(fresh.ok()) << fresh.status();
+  EXPECT_EQ(fresh->plan.action, Action::kStartFresh);
+  EXPECT_FALSE(AnySegment(o.instance));
+}
+
+TEST(RecoverInstanceTest, AnotherModelsStateIsNotAdopted) {
+  auto o = Opts(UniqueInstance("foreign"));
+  ASSERT_NO_FATAL_FAILURE(CrashedState(o, 2, nullptr));
+  auto other = o;
+  other.model.manifest.mutable_layers(1)->mutable_tensors(0)->set_shape(1, 4);
+  auto opened = TrainingState::Open(other);
+  ASSERT_FALSE(opened.ok());
+  EXPECT_EQ(opened.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_NE(opened.status().message().find("size_bytes is"), std::string::npos) << opened.status();
+  auto world = o;
+  world.world_size = 2;
+  opened = TrainingState::Open(world);
+  ASSERT_FALSE(opened.ok());
+  EXPECT_NE(opened.status().message().find("expected"), std::string::npos) << opened.status();
+  {
+    // An older build's segment: the ABI version is named, found and expected.
+    auto seg = ShmSegment::Open(SegmentName(o.instance, shm::SegmentKind::kParams), true);
+    ASSERT_TRUE(seg.ok());
+    seg->at<shm::SegmentHeader>(0)->abi_version = shm::kAbiVersion + 1;
+  }
+  opened = TrainingState::Open(o);
+  ASSERT_FALSE(opened.ok());
+  EXPECT_NE(opened.status().message().find(absl::StrCat("abi_version is ", shm::kAbiVersion + 1,
+                                                        ", expected ", shm::kAbiVersion)),
+            std::string::npos)
+      << opened.status();
+  auto fresh = RecoverInstance(o, OnInconsistent::kCheckpoint, nullptr);
+  ASSERT_TRUE(fresh.ok()) << fresh.status();
+  EXPECT_EQ(fresh->plan.action, Action::kStartFresh);
+  EXPECT_FALSE(AnySegment(o.instance));
+}
+
+TEST(InstanceLockTest, OneOwnerAndCleanupNeverTouchesALiveOne) {
+  const std::string inst = UniqueInstance("lock");
+  auto lock = InstanceLock::Acquire(inst);
+  ASSERT_TRUE(lock.ok()) << lock.status();
+  EXPECT_EQ(InstanceLockHolder(inst), getpid());
+  auto second = InstanceLock::Acquire(inst);
+  ASSERT_FALSE(second.ok());
+  EXPECT_NE(second.status().message().find(absl::StrCat("in use by hostd pid ", getpid())),
+            std::string::npos)
+      << second.status();
+  ASSERT_NO_FATAL_FAILURE(CrashedState(Opts(inst), 1, nullptr));
+  auto listed = ListInstanceFiles(inst);
+  ASSERT_TRUE(listed.ok()) << listed.status();
+  ASSERT_EQ(listed->size(), 1u);
+  EXPECT_EQ((*listed)[0].files.size(), 5u);  // four segments and the lock
+  EXPECT_EQ((*listed)[0].live_pid, getpid());
+  auto refused = RemoveStaleInstance(inst);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_TRUE(AnySegment(inst));
+
+  lock->reset();  // the owner goes: the lock file goes with it, the segments stay
+  struct stat st;
+  EXPECT_NE(stat(InstanceLockPath(inst).c_str(), &st), 0);
+  listed = ListInstanceFiles(inst);
+  ASSERT_TRUE(listed.ok());
+  ASSERT_EQ(listed->size(), 1u);
+  EXPECT_EQ((*listed)[0].live_pid, 0);
+  const uint64_t bytes = (*listed)[0].bytes;
+  auto removed = RemoveStaleInstance(inst);
+  ASSERT_TRUE(removed.ok()) << removed.status();
+  EXPECT_EQ(removed->files.size(), 4u);
+  EXPECT_EQ(removed->bytes, bytes);
+  EXPECT_FALSE(AnySegment(inst));
+  EXPECT_NE(stat(InstanceLockPath(inst).c_str(), &st), 0);
+  EXPECT_EQ(InstanceLock::Acquire("bad/name").status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+}  // namespace
+}  // namespace slidedp::hostd
