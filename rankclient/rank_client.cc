@@ -595,6 +595,14 @@ absl::StatusOr<v1::JobStatus> RankClient::JobStatus() const {
 }
 
 absl::Status RankClient::WaitStep(uint64_t step, std::chrono::milliseconds timeout) {
+  if (detached_) return absl::FailedPreconditionError("rank is detached");
+  // A step this rank has not begun cannot complete (hostd waits for this rank's gradients, or
+  // for its BeginStep): waiting for it could only time out.
+  if (step > step_) {
+    return absl::OutOfRangeError(absl::StrCat("step: ", step, " was not begun by this rank (its ",
+                                              "current step is ", step_,
+                                              "); begin the step first"));
+  }
   const auto deadline = Clock::now() + timeout;
   // The rank began step + 1 while `step`'s updates ran (steps overlap): the abort epoch it
   // checks is step + 1's, whose abort (or drop, which may come the instant `step` finishes)
