@@ -576,6 +576,9 @@ float F16ToFp32(uint16_t h) {
 }
 
 void WidenToFp32(SafetensorsDtype dtype, const void* src, float* dst, size_t n) {
+  // An empty tensor may come with null buffers (an empty vector's data()): memcpy must not see
+  // them.
+  if (n == 0) return;
   const auto* p = static_cast<const unsigned char*>(src);
   switch (dtype) {
     case SafetensorsDtype::kF32:
