@@ -302,9 +302,10 @@ class BadInputTableTest(unittest.TestCase):
                  pb((2, pb((2, 1.0))), (3, "beta1")), "INVALID_ARGUMENT", "beta1")
         self.rpc("UpdateHyperParams: eps = 0", "UpdateHyperParams",
                  pb((2, pb((4, 0.0))), (3, "eps")), "INVALID_ARGUMENT", "eps")
-        self.rpc("UpdateHyperParams: NaN max_grad_norm", "UpdateHyperParams",
-                 pb((2, pb((12, float("nan")))), (3, "max_grad_norm")), "INVALID_ARGUMENT",
-                 "max_grad_norm")
+        self.rpc("UpdateHyperParams: per-layer clip with a NaN max_grad_norm",
+                 "UpdateHyperParams",
+                 pb((2, pb((11, 2), (12, float("nan")))), (3, "clip"), (3, "max_grad_norm")),
+                 "INVALID_ARGUMENT", "max_grad_norm")
         # Queries and the wire itself.
         self.rpc("ListLayers: unknown job_id", "ListLayers", pb((1, "nope")), "NOT_FOUND",
                  "job_id")
