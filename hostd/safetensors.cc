@@ -112,6 +112,8 @@ class HeaderSax : public SaxErrors {
     return Unexpected("a number");
   }
   bool number_unsigned(json::number_unsigned_t v) {
+    // A header that is a bare number or string: no frame yet (Top() needs one).
+    if (stack_.empty()) return Unexpected("a number");
     if (Top() == Frame::kShape) {
       if (entry_.shape.size() >= kSafetensorsMaxDims) {
         return Fail(absl::StrCat(FieldWhere(), ": more than ", kSafetensorsMaxDims, " dimensions"));
@@ -135,6 +137,7 @@ class HeaderSax : public SaxErrors {
     return Unexpected("a number");
   }
   bool string(json::string_t& s) {
+    if (stack_.empty()) return Unexpected("a string");
     if (Top() == Frame::kEntry && field_ == Field::kDtype) {
       entry_.dtype = std::move(s);
       field_ = Field::kNone;
