@@ -158,9 +158,18 @@ class Harness {
         },
         [this](uint64_t step, const std::string& reason) {
           errors_++;
+          // The reducer emptied every ring slot before reporting (no slot is lent on the sum
+          // route, and nothing was pushed since).
+          if (sum_) {
+            for (uint32_t r = 0; r < kWorld; ++r) {
+              for (uint32_t s = 0; s < kRingSlots; ++s) {
+                FUZZ_CHECK(shm::Atomic(state_->chunk_slot(r, s).state).load() == shm::kSlotEmpty);
+              }
+            }
+          }
           // What the engine does with a protocol error.
           reducer_->Abort(step);
-          worker_->AbortStep(step);
+          AbortWorker(step);
           aborted_ = true;
         });
     for (uint32_t l = state_->num_layers(); l-- > 0;) order_.push_back(l);  // backward order
@@ -223,8 +232,8 @@ class Harness {
     shm::ChunkSlot& cs = state_->chunk_slot(fr.rank, slot);
     // A rank waits for its slot; the harness lets hostd run, bounded (hostd may wait for another
     // rank's chunk, which is no error).
-    for (int i = 0; i < 200 && shm::Atomic(cs.state).load() != shm::kSlotEmpty; ++i) {
-      if (!reducer_->PollOnce()) std::this_thread::sleep_for(std::chrono::microseconds(50));
+    for (int i = 0; i < 100 && shm::Atomic(cs.state).load() != shm::kSlotEmpty; ++i) {
+      if (!reducer_->PollOnce()) std::this_thread::sleep_for(std::chrono::microseconds(20));
     }
     if (shm::Atomic(cs.state).load() != shm::kSlotEmpty) return;
     const size_t elem = kernels::GradTypeBytes(type_);
@@ -304,21 +313,28 @@ class Harness {
 
   // Runs the reducer until it stalls, waiting (bounded) for the worker to return lent slots.
   void Drain() {
-    for (int idle = 0; idle < 20;) {
+    for (int idle = 0; idle < 5;) {
       if (reducer_->PollOnce()) {
         idle = 0;
       } else {
         ++idle;
-        std::this_thread::sleep_for(std::chrono::microseconds(100));
+        std::this_thread::sleep_for(std::chrono::microseconds(50));
       }
     }
-    if (sum_ && errors_ != 0 && !corrupted_) {
-      for (uint32_t r = 0; r < kWorld; ++r) {
-        for (uint32_t s = 0; s < kRingSlots; ++s) {
-          FUZZ_CHECK(shm::Atomic(state_->chunk_slot(r, s).state).load() == shm::kSlotEmpty);
-        }
-      }
+  }
+
+  // UpdateWorker::AbortStep seals the step on the worker thread; the engine's next BeginStep
+  // waits for that (AwaitSealsLocked), so the harness does too before it arms the next step.
+  void AbortWorker(uint64_t step) {
+    seals_pending_++;
+    worker_->AbortStep(step, [this] { seals_pending_--; });
+  }
+  void AwaitSeals() {
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+    while (seals_pending_.load() != 0 && std::chrono::steady_clock::now() < deadline) {
+      std::this_thread::sleep_for(std::chrono::microseconds(50));
     }
+    FUZZ_CHECK(seals_pending_.load() == 0);
   }
 
   void ResetRanks() {
@@ -327,7 +343,8 @@ class Harness {
 
   void Abort() {
     reducer_->Abort(step_);
-    worker_->AbortStep(step_);
+    AbortWorker(step_);
+    AwaitSeals();
     aborted_ = true;
     step_++;
     layers_done_ = 0;
@@ -347,6 +364,7 @@ class Harness {
       if (!reducer_->PollOnce()) std::this_thread::sleep_for(std::chrono::microseconds(100));
     }
     if (layers_done_.load() < state_->num_layers()) return Abort();
+    AwaitSeals();
     step_++;
     layers_done_ = 0;
     ResetRanks();
@@ -363,6 +381,7 @@ class Harness {
   std::vector<uint32_t> order_;
   uint64_t step_ = 1;
   std::atomic<uint32_t> layers_done_{0};
+  std::atomic<int> seals_pending_{0};
   int errors_ = 0;  // the error callback runs on the polling thread
   bool corrupted_ = false;
   bool aborted_ = false;
@@ -372,7 +391,8 @@ class Harness {
 }  // namespace slidedp::hostd
 
 extern "C" int LLVMFuzzerInitialize(int*, char***) {
-  spdlog::set_level(spdlog::level::off);
+  // FUZZ_VERBOSE=1 keeps hostd's log (the reasons of protocol errors) when reproducing.
+  if (getenv("FUZZ_VERBOSE") == nullptr) spdlog::set_level(spdlog::level::off);
   return 0;
 }
 
