@@ -517,10 +517,10 @@ class BadInputTableTest(unittest.TestCase):
         self.checkpoint("header length beyond the file",
                         {st: struct.pack("<Q", 4096) + b"{}"}, "INVALID_ARGUMENT", "")
         self.checkpoint("file shorter than 8 bytes", {st: b"\x10\x00"}, "INVALID_ARGUMENT", "")
-        self.checkpoint("header a bare JSON string (crashed hostd before)",
+        self.checkpoint("header a bare JSON string (read an empty stack before)",
                         {st: st_bytes(None, 0, b'"F32"   ', pad=False)}, "INVALID_ARGUMENT",
                         "expected a JSON object")
-        self.checkpoint("header a bare JSON number (crashed hostd before)",
+        self.checkpoint("header a bare JSON number (read an empty stack before)",
                         {st: st_bytes(None, 0, b"12345678", pad=False)}, "INVALID_ARGUMENT",
                         "expected a JSON object")
         self.checkpoint("header not JSON", {st: st_bytes(None, size, b"{\"a\": [1, 2")},
