@@ -7,8 +7,12 @@
 #   scripts/tsan.sh run TEST     run one of them with TSAN_OPTIONS (halt on the first report)
 #   scripts/tsan.sh              build, then run them all
 # CTest runs `build` once and `run` per test (labels tsan and fuzz). The tests: thread_pool_test,
-# shm_segment_test, state_test, optimizer_test (update worker), reducer_test (gradient rings,
-# engine in process), engine_test (the step protocol through the gRPC service).
+# shm_segment_test, state_test, optimizer_test (update worker), reducer_test (gradient rings, the
+# engine in process: aborts, streamed layers, torn state). engine_test is built and can be run by
+# hand, but is not part of the suite: it drives the gRPC service (Debian's uninstrumented gRPC
+# and abseil hand memory between threads invisibly), and its RankClient maps the segments a
+# second time in the same process, so a release on hostd's mapping and an acquire on the rank's
+# are different addresses to TSan (it reports Checksum() after WaitStep as a race).
 # Debian's abseil, gRPC and protobuf are not instrumented. absl::Mutex guards most of hostd's
 # state, and TSan cannot see a lock taken inside an uninstrumented library (every guarded access
 # would be reported), so `build` also compiles abseil's synchronization library (the 20220623.1
@@ -20,7 +24,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 SRC=$PWD
 BUILD=${TSAN_BUILD_DIR:-build-tsan}
-TESTS=(thread_pool_test shm_segment_test state_test optimizer_test reducer_test engine_test)
+TESTS=(thread_pool_test shm_segment_test state_test optimizer_test reducer_test)
+BUILD_ONLY=(engine_test)
 
 build() {
   export CCACHE_BASEDIR=$SRC CCACHE_NOHASHDIR=1
@@ -30,7 +35,7 @@ build() {
     cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DSLIDEDP_TSAN=ON \
       -DSLIDEDP_CUDA=OFF -DCMAKE_CXX_FLAGS=-Wno-error=tsan >/dev/null
   fi
-  cmake --build "$BUILD" --target "${TESTS[@]}" -j "${JOBS:-2}"
+  cmake --build "$BUILD" --target "${TESTS[@]}" "${BUILD_ONLY[@]}" -j "${JOBS:-2}"
   local lib=$BUILD/absl-tsan/libabsl_synchronization.so.20220623 src=third_party/absl_tsan
   if [ ! -f "$lib" ] || [ -n "$(find "$src" -newer "$lib" -name '*.cc')" ]; then
     mkdir -p "$BUILD/absl-tsan"
