@@ -12,6 +12,14 @@ if(SLIDEDP_TSAN)
   add_compile_options(-fsanitize=thread -fno-omit-frame-pointer)
   add_link_options(-fsanitize=thread)
 endif()
+# libFuzzer build (clang only, scripts/fuzz.sh): every library is instrumented for coverage and
+# built with ASan + UBSan (UBSan findings abort, so the fuzzer reports them as crashes); only the
+# fuzz/ targets link libFuzzer's main (-fsanitize=fuzzer).
+if(SLIDEDP_FUZZ)
+  add_compile_options(-fsanitize=fuzzer-no-link,address,undefined -fno-sanitize-recover=undefined
+                      -fno-omit-frame-pointer)
+  add_link_options(-fsanitize=address,undefined)
+endif()
 
 # slidedp_library(NAME SRCS a.cc b.cc DEPS x y [PUBLIC_INCLUDE dir])
 function(slidedp_library name)

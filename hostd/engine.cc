@@ -871,12 +871,25 @@ void Engine::DropQueuedStepLocked(absl::string_view reason, bool bump_epoch) {
   queued_step_ = 0;
   // The step's ranks may be anywhere in it; only the abort epoch reaches all of them. Nothing of
   // the running step is disturbed: its pushers are done (the callers make sure of that).
-  if (bump_epoch) BumpAbortEpochLocked();
+  if (bump_epoch) {
+    // Every layer of the running step is published (the callers checked), though OnLayerDone may
+    // not have counted the last one yet: mark it completed before the epoch moves, or a rank's
+    // WaitStep of it would take this drop for an abort of it.
+    MarkCompletedLocked(running_step_);
+    BumpAbortEpochLocked();
+  }
   reducer_->DiscardStep(step);
   slidedp::v1::SessionEvent ev;
   ev.mutable_step_aborted()->set_step(step);
   ev.mutable_step_aborted()->set_reason(std::string(reason));
   BroadcastLocked(ev);
+}
+
+void Engine::MarkCompletedLocked(uint64_t step) {
+  uint64_t& completed = state_->control().completed_step;
+  if (step > shm::Atomic(completed).load(std::memory_order_relaxed)) {
+    shm::Atomic(completed).store(step, std::memory_order_release);
+  }
 }
 
 void Engine::AbortStepLocked(uint64_t step, absl::string_view reason) {
@@ -1010,6 +1023,7 @@ void Engine::OnLayerDone(const LayerUpdateResult& r) {
     }
     if (!client_layers_.empty()) client_layers_trained_ = true;
     steps_completed_++;
+    MarkCompletedLocked(running_step_);
     last_step_update_seconds_ = step_update_seconds_;
     last_step_layers_ = std::move(step_layers_);
     step_layers_.clear();

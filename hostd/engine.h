@@ -176,6 +176,8 @@ class Engine {
   // with the running step's abort, which has bumped the abort epoch already (`bump_epoch` false).
   void DropQueuedStepLocked(absl::string_view reason, bool bump_epoch = true)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // ControlBlock::completed_step = `step` (never backwards): every layer of `step` is published.
+  void MarkCompletedLocked(uint64_t step) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Bumps abort_epoch and wakes every rank waiting on a futex of the control segment.
   void BumpAbortEpochLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Waits (bounded) until the worker has sealed every aborted step.

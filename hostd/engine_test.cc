@@ -907,6 +907,31 @@ TEST_P(OverlapTest, AbortWithAQueuedStepDropsItAndItsRankBeginsItAgain) {
   EXPECT_EQ(run->StepsAborted(), 1u);
 }
 
+// A rank that began step 2 before waiting for step 1 (steps overlap) asks WaitStep(1) after step
+// 1 completed and step 2 was aborted: step 1's updates are all published, so the wait succeeds;
+// only waits of step 2 itself see the abort. (A drop of a queued step 2 the instant step 1
+// finishes moves the same abort epoch; hostd marks step 1 completed before it does.)
+TEST_P(OverlapTest, AbortOfTheNextStepDoesNotFailTheWaitForACompletedStep) {
+  auto run = Start();
+  ASSERT_NE(run, nullptr);
+  rankclient::RankClient& c = *run->client;
+  Engine& e = *run->engine;
+  ASSERT_TRUE(c.BeginStep(1, kWait).ok());
+  ASSERT_TRUE(Push(c, 1, 1, Grad(1, 1, c.layer_numel(1))).ok());
+  ASSERT_TRUE(Push(c, 1, 0, Grad(0, 1, c.layer_numel(0))).ok());
+  ASSERT_TRUE(c.BeginStep(2, kWait).ok());
+  ASSERT_TRUE(WaitUntil([&] { return run->Job().step() == 1; }));  // step 1 completed
+  v1::AbortStepRequest ab;
+  ab.set_step(2);
+  ab.set_reason("test: abort of the step after the one waited for");
+  ASSERT_TRUE(e.AbortStep(ab).ok());
+  const absl::Status waited = c.WaitStep(1, kWait);
+  EXPECT_TRUE(waited.ok()) << waited;
+  EXPECT_EQ(e.state()->control().completed_step, 1u);
+  const absl::Status aborted = c.WaitStep(2, std::chrono::milliseconds(200));
+  EXPECT_EQ(aborted.code(), absl::StatusCode::kAborted) << aborted;
+}
+
 INSTANTIATE_TEST_SUITE_P(Routes, OverlapTest,
                          ::testing::Values(v1::GRAD_ROUTE_CPU_REDUCTION,
                                            v1::GRAD_ROUTE_GPU_REDUCTION,

@@ -129,6 +129,11 @@ class GradientReducer {
 
   Stats stats() const;
 
+  // Runs one round of the reduction on the calling thread, as the reducer's thread does, and
+  // returns whether it made progress. For fuzzers (fuzz/fuzz_shm.cc) and tests that drive the
+  // rings synchronously; never on a reducer that was Start()ed.
+  bool PollOnce() { return TryReduceOne(); }
+
  private:
   struct Buffer {
     std::vector<float> data;

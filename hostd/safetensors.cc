@@ -112,6 +112,8 @@ class HeaderSax : public SaxErrors {
     return Unexpected("a number");
   }
   bool number_unsigned(json::number_unsigned_t v) {
+    // A header that is a bare number or string: no frame yet (Top() needs one).
+    if (stack_.empty()) return Unexpected("a number");
     if (Top() == Frame::kShape) {
       if (entry_.shape.size() >= kSafetensorsMaxDims) {
         return Fail(absl::StrCat(FieldWhere(), ": more than ", kSafetensorsMaxDims, " dimensions"));
@@ -135,6 +137,7 @@ class HeaderSax : public SaxErrors {
     return Unexpected("a number");
   }
   bool string(json::string_t& s) {
+    if (stack_.empty()) return Unexpected("a string");
     if (Top() == Frame::kEntry && field_ == Field::kDtype) {
       entry_.dtype = std::move(s);
       field_ = Field::kNone;
@@ -576,6 +579,9 @@ float F16ToFp32(uint16_t h) {
 }
 
 void WidenToFp32(SafetensorsDtype dtype, const void* src, float* dst, size_t n) {
+  // An empty tensor may come with null buffers (an empty vector's data()): memcpy must not see
+  // them.
+  if (n == 0) return;
   const auto* p = static_cast<const unsigned char*>(src);
   switch (dtype) {
     case SafetensorsDtype::kF32:

@@ -83,7 +83,11 @@ struct alignas(64) ControlBlock {
   uint32_t grad_dtype;       // DType of control.proto (1 FP32, 2 BF16)
   uint32_t doorbell;         // atomic futex word: ranks bump it after filling a slot
   uint32_t grad_route;       // GradRoute of control.proto
-  uint64_t reserved[6];
+  // atomic: the last step whose updates are all published (0: none yet, or a hostd that predates
+  // the field). Stored before the abort epoch moves for a later step, so a rank that began step
+  // t + 1 and waits for step t can tell "t completed, t + 1 was aborted" from "t was aborted".
+  uint64_t completed_step;
+  uint64_t reserved[5];
 };
 static_assert(sizeof(ControlBlock) == 128);
 

@@ -301,11 +301,18 @@ absl::Status RankClient::CheckLive(const PushTicket& ticket) const {
 
 template <typename Ready>
 absl::Status RankClient::WaitOn(uint32_t* word, Ready ready, Clock::time_point deadline,
-                                const char* what, const PushTicket* ticket) {
+                                const char* what, const PushTicket* ticket, uint64_t completed_ok) {
   for (;;) {
     const uint32_t seen = shm::Atomic(*word).load(std::memory_order_acquire);
     // Liveness first: after an abort, versions are sealed and would otherwise look "ready".
-    RETURN_IF_ERROR(ticket != nullptr ? CheckLive(*ticket) : CheckLive());
+    // hostd stores completed_step before it moves the epoch for a later step, so reading it after
+    // the epoch tells whether the step waited for completed before that abort.
+    if (absl::Status live = ticket != nullptr ? CheckLive(*ticket) : CheckLive(); !live.ok()) {
+      if (completed_ok == 0 || live.code() != absl::StatusCode::kAborted ||
+          shm::Atomic(cb_->completed_step).load(std::memory_order_acquire) < completed_ok) {
+        return live;
+      }
+    }
     if (ready()) return absl::OkStatus();
     const auto now = Clock::now();
     if (now >= deadline) return absl::DeadlineExceededError(absl::StrCat("timed out ", what));
@@ -594,11 +601,26 @@ absl::StatusOr<v1::JobStatus> RankClient::JobStatus() const {
 }
 
 absl::Status RankClient::WaitStep(uint64_t step, std::chrono::milliseconds timeout) {
+  if (detached_) return absl::FailedPreconditionError("rank is detached");
+  // A step this rank has not begun cannot complete (hostd waits for this rank's gradients, or
+  // for its BeginStep): waiting for it could only time out.
+  if (step > step_) {
+    return absl::OutOfRangeError(absl::StrCat("step: ", step, " was not begun by this rank (its ",
+                                              "current step is ", step_,
+                                              "); begin the step first"));
+  }
   const auto deadline = Clock::now() + timeout;
+  // The rank began step + 1 while `step`'s updates ran (steps overlap): the abort epoch it
+  // checks is step + 1's, whose abort (or drop, which may come the instant `step` finishes)
+  // says nothing about `step` once hostd has marked `step` completed.
+  const uint64_t completed_ok = step != 0 && step < step_ ? step : 0;
   for (uint32_t l = 0; l < num_layers(); ++l) {
-    const auto left =
-        std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
-    RETURN_IF_ERROR(WaitLayer(l, step, std::max(left, std::chrono::milliseconds(0))));
+    auto* lc =
+        control_.at<shm::LayerControl>(layout_.layers(static_cast<int>(l)).control_offset_bytes());
+    RETURN_IF_ERROR(WaitOn(
+        &lc->wake_seq,
+        [&] { return shm::Atomic(lc->committed_version).load(std::memory_order_acquire) >= step; },
+        deadline, "waiting for a layer version", nullptr, completed_ok));
   }
   return absl::OkStatus();
 }

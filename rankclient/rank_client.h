@@ -189,7 +189,9 @@ class RankClient {
                              std::chrono::milliseconds timeout);
   absl::StatusOr<std::string> FetchCommId(uint64_t generation, std::chrono::milliseconds timeout);
 
-  // Waits until every layer has reached version `step` (the step's updates are published).
+  // Waits until every layer has reached version `step` (the step's updates are published). For
+  // a step before the current one (BeginStep(step + 1) came first), an abort or drop of the
+  // current step is no error once `step` completed.
   absl::Status WaitStep(uint64_t step, std::chrono::milliseconds timeout);
 
   // Detaches from hostd (idempotent).
@@ -207,10 +209,12 @@ class RankClient {
   absl::Status CheckStepAndLayer(uint64_t step, uint32_t layer)
       const;  // ABORTED / UNAVAILABLE when the step can no longer go on
   // Blocks on a futex word until `ready()` or the deadline; returns CheckLive() failures (of
-  // `ticket`'s step when given).
+  // `ticket`'s step when given), except an ABORTED once hostd marked step `completed_ok` (when
+  // not 0) completed: the abort was of a later step.
   template <typename Ready>
   absl::Status WaitOn(uint32_t* word, Ready ready, std::chrono::steady_clock::time_point deadline,
-                      const char* what, const PushTicket* ticket = nullptr);
+                      const char* what, const PushTicket* ticket = nullptr,
+                      uint64_t completed_ok = 0);
 
   const Options options_;
   slidedp::v1::Layout layout_;
