@@ -1024,8 +1024,8 @@ absl::Status ApplyFile(const std::string& path, HostdConfig& c, std::vector<Orig
     if (it == keys.end()) {
       if (node->is_table()) {
         return KeyError(name, detail,
-                        "is a table; hostd's config file has flat keys and one table, [checkpoint] "
-                        "(see hostd --help)");
+                        "is a table; hostd's config file has flat keys and the tables [metrics] "
+                        "and [checkpoint]");
       }
       return KeyError(name, detail,
                       absl::StrCat("unknown key", Suggestion(name, ""), "; see hostd --help"));

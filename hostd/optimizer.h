@@ -254,7 +254,7 @@ class UpdateWorker {
   double idle_pending_ = 0;
   std::thread thread_;              // started by Start, joined by Stop
   std::vector<double> block_sums_;  // scratch of the update thread
-  BeforeWriteFn before_write_;  // set before Start; called on the update thread
+  BeforeWriteFn before_write_;      // set before Start; called on the update thread
 };
 
 }  // namespace slidedp::hostd

@@ -145,7 +145,9 @@ TEST(RecoverInstanceTest, AnotherModelsStateIsNotAdopted) {
   auto opened = TrainingState::Open(other);
   ASSERT_FALSE(opened.ok());
   EXPECT_EQ(opened.status().code(), absl::StatusCode::kFailedPrecondition);
-  EXPECT_NE(opened.status().message().find("size_bytes is"), std::string::npos) << opened.status();
+  EXPECT_NE(opened.status().message().find("manifest_hash (another model's state) is"),
+            std::string::npos)
+      << opened.status();
   auto world = o;
   world.world_size = 2;
   opened = TrainingState::Open(world);

@@ -439,7 +439,8 @@ TEST(CtlUsageTest, UnknownSubcommandExits2) {
   EXPECT_THAT(r.out, IsEmpty());
   EXPECT_EQ(r.err,
             "slidedpctl: unknown command \"frobnicate\"; expected one of: version, status, layers, "
-            "ranks, stats, config, estimate, export, watch, checkpoint, checkpoints, doctor\nRun "
+            "ranks, stats, config, estimate, export, watch, checkpoint, checkpoints, cleanup, "
+            "doctor\nRun "
             "'slidedpctl --help' for usage.\n");
   const CtlResult nested = Ctl({"config", "frobnicate"});
   EXPECT_EQ(nested.code, kExitUsage);

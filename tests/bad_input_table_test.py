@@ -463,7 +463,7 @@ class BadInputTableTest(unittest.TestCase):
                     "chunk_bytes")
         self.config("file: enum value not a choice", 'clip = "sometimes"\n', 2,
                     "'sometimes' is not one of none, per_layer, global")
-        self.config("file: a table", "[optimizer]\nlr = 1e-3\n", 2, "flat keys only")
+        self.config("file: a table", "[optimizer]\nlr = 1e-3\n", 2, "is a table; hostd's config file has flat keys")
         self.config("file: TOML syntax error", "lr = = 3\n", 2, "bad.toml:1")
         self.config("file: non-loopback listen_tcp", 'listen_tcp = "0.0.0.0:7070"\n', 2,
                     "listen_tcp")

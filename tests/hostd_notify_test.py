@@ -117,7 +117,7 @@ class NotifyTest(unittest.TestCase):
         conf = os.path.join(stage, "etc/slidedp/hostd.toml")
         out = subprocess.run([HOSTD, "--config", conf, "--print-config"], capture_output=True,
                              text=True, check=True).stdout
-        self.assertIn('socket = "/run/slidedp/hostd.sock"  # file', out)
+        self.assertRegex(out, r'(?m)^socket = "/run/slidedp/hostd.sock" +# file$')
         with open(conf, "a") as f:
             f.write("seed = 7\n")
         r = subprocess.run(cmd, capture_output=True, text=True)
