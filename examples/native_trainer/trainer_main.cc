@@ -11,10 +11,11 @@
 //
 // The loop starts at the step hostd reports at attach (AttachRankResponse.next_step: 1 for a new
 // job, t + 1 for a job re-adopted at step t) and ends after step --steps. With --reattach-ms N,
-// a step that fails with UNAVAILABLE (hostd died or stopped) or ABORTED (hostd aborted it: a rank
-// died) does not end the process: it drops its session, attaches again (creating the job again
-// with --create-job; hostd re-adopts or recreates its state) for up to N ms, and goes on from the
-// step hostd then reports. Each re-attach prints "rank r: re-attached at step t (...)".
+// a step that fails with UNAVAILABLE (hostd died or stopped), ABORTED (hostd aborted it: a rank
+// died) or OUT_OF_RANGE (the step moved on while this rank attached) does not end the process: it
+// drops its session, attaches again (creating the job again with --create-job; hostd re-adopts or
+// recreates its state) for up to N ms, and goes on from the step hostd then reports. Each re-attach
+// prints "rank r: re-attached at step t (...)".
 //
 // Output: one line per step (this rank's shard loss, its contribution to the global loss; the
 // global samples/s; the time spent waiting on layer versions) and a summary. --stamps FILE
@@ -244,7 +245,12 @@ absl::Status Trainer::Run() {
     push_ms_ = 0;
     const auto s0 = Clock::now();
     if (absl::Status s = Step(t); !s.ok()) {
-      if (f_.reattach_ms == 0 || !(absl::IsUnavailable(s) || absl::IsAborted(s))) return s;
+      // OUT_OF_RANGE: the step moved on under this rank (it attached as hostd aborted the step
+      // of a rank that had died, which consumes the step number): attach again at hostd's step.
+      if (f_.reattach_ms == 0 ||
+          !(absl::IsUnavailable(s) || absl::IsAborted(s) || absl::IsOutOfRange(s))) {
+        return s;
+      }
       std::fprintf(stderr, "rank %u: step %llu: %s; re-attaching\n", f_.rank,
                    static_cast<unsigned long long>(t), s.ToString().c_str());
       RETURN_IF_ERROR(Reconnect());
