@@ -635,8 +635,42 @@ absl::Status KeyError(std::string_view key, std::string_view detail, std::string
   return absl::InvalidArgumentError(absl::StrCat(Av(key), " (", Av(detail), "): ", Av(msg)));
 }
 
+// Well-formed UTF-8 (RFC 3629: no overlongs, surrogates or code points above U+10FFFF).
+bool IsUtf8(std::string_view s) {
+  size_t i = 0;
+  while (i < s.size()) {
+    const auto b = static_cast<unsigned char>(s[i]);
+    size_t n = 0;
+    uint32_t cp = 0;
+    if (b < 0x80) {
+      ++i;
+      continue;
+    } else if ((b & 0xE0) == 0xC0) {
+      n = 1, cp = b & 0x1F;
+    } else if ((b & 0xF0) == 0xE0) {
+      n = 2, cp = b & 0x0F;
+    } else if ((b & 0xF8) == 0xF0) {
+      n = 3, cp = b & 0x07;
+    } else {
+      return false;
+    }
+    if (i + n >= s.size()) return false;  // truncated sequence
+    for (size_t k = 1; k <= n; ++k) {
+      const auto c = static_cast<unsigned char>(s[i + k]);
+      if ((c & 0xC0) != 0x80) return false;
+      cp = (cp << 6) | (c & 0x3F);
+    }
+    static constexpr uint32_t kMin[] = {0, 0x80, 0x800, 0x10000};
+    if (cp < kMin[n] || cp > 0x10FFFF || (cp >= 0xD800 && cp <= 0xDFFF)) return false;
+    i += n + 1;
+  }
+  return true;
+}
+
 absl::Status SetFrom(const KeyDescriptor& d, HostdConfig& c, std::string_view text,
                      std::string_view detail) {
+  // The effective config is shown and saved as TOML, which is UTF-8.
+  if (!IsUtf8(text)) return KeyError(d.name, detail, "is not valid UTF-8 text");
   absl::Status s = d.set(c, text);
   if (!s.ok()) return KeyError(d.name, detail, std::string(s.message()));
   return absl::OkStatus();

@@ -915,4 +915,21 @@ TEST(ConfigTest, CheckpointTableFlagsEnvAndResumeAlias) {
 }
 
 }  // namespace
+// Text that is not UTF-8 (here from the environment) is refused: the effective config is shown
+// and saved as TOML. Found by fuzz_config (the TOML of an accepted config did not load back).
+TEST(ConfigTest, NonUtf8TextIsRefusedNamingTheKey) {
+  const char* argv[] = {"hostd"};
+  auto bad = LoadConfig(1, argv, {{"SLIDEDP_MODEL", std::string("dir\x94x")}});
+  ASSERT_FALSE(bad.ok());
+  EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(bad.status().message().find("model"), std::string::npos) << bad.status();
+  EXPECT_NE(bad.status().message().find("not valid UTF-8"), std::string::npos) << bad.status();
+  for (const std::string& s :
+       {std::string("\xC0\x80"), std::string("\xED\xA0\x80"), std::string("\xE2\x82")}) {
+    EXPECT_FALSE(LoadConfig(1, argv, {{"SLIDEDP_MODEL", s}}).ok()) << s.size();
+  }
+  auto good = LoadConfig(1, argv, {{"SLIDEDP_MODEL", "/data/mod\xC3\xA8le \xE2\x82\xAC"}});
+  EXPECT_TRUE(good.ok()) << good.status();
+}
+
 }  // namespace slidedp::hostd
