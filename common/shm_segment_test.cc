@@ -46,6 +46,32 @@ TEST(ShmSegmentTest, CreateMapsExactSizeWithMode) {
   EXPECT_TRUE(ShmSegment::Remove(name).ok());  // idempotent
 }
 
+// ReleasePages: a range outside the segment is refused naming it; only whole pages inside the
+// range go back (they read as zeros), the partial pages at its ends keep their bytes.
+TEST(ShmSegmentTest, ReleasePagesRefusesOutOfRangeAndKeepsPartialPages) {
+  const std::string name = "slidedp." + UniqueInstance("release");
+  ShmSegment::CreateOptions o;
+  o.name = name;
+  o.size_bytes = 4 * 4096;
+  auto seg = ShmSegment::Create(o);
+  ASSERT_TRUE(seg.ok()) << seg.status();
+  seg->set_remove_on_destroy(true);
+  std::memset(seg->data(), 0x5a, seg->size_bytes());
+  auto bad = seg->ReleasePages(3 * 4096, 2 * 4096);
+  ASSERT_FALSE(bad.ok());
+  EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(bad.status().message().find(name), std::string::npos) << bad.status();
+  auto released = seg->ReleasePages(100, 2 * 4096);  // [100, 8292): only page 1 is whole
+  ASSERT_TRUE(released.ok()) << released.status();
+  EXPECT_EQ(*released, 4096u);
+  const auto* b = static_cast<const unsigned char*>(seg->data());
+  EXPECT_EQ(b[4095], 0x5a);
+  EXPECT_EQ(b[4096], 0);
+  EXPECT_EQ(b[2 * 4096 - 1], 0);
+  EXPECT_EQ(b[2 * 4096], 0x5a);
+  EXPECT_EQ(*seg->ReleasePages(10, 20), 0u);  // no whole page inside
+}
+
 TEST(ShmSegmentTest, GroupModeAndParallelPopulate) {
   auto pool = ThreadPool::Create({.num_threads = 2});
   ASSERT_TRUE(pool.ok());
