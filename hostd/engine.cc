@@ -1323,18 +1323,11 @@ absl::StatusOr<slidedp::v1::GetStatsResponse> Engine::GetStats(
   }
   resp.set_grad_bytes_received(reducer_->stats().bytes_reduced);
   resp.set_param_bytes_published(param_bytes_published_);
-  // The checkpointer's last commit, else one noted by NoteCheckpoint.
-  if (checkpointer_->last_committed_unix_ms() > 0) {
-    resp.set_checkpoint_last_step(checkpointer_->last_committed().step);
-    resp.set_checkpoint_age_seconds(
-        static_cast<double>(UnixMs() - checkpointer_->last_committed_unix_ms()) / 1000.0);
-  } else {
-    resp.set_checkpoint_last_step(checkpoint_step_);
-    resp.set_checkpoint_age_seconds(
-        checkpoint_time_
-            ? std::chrono::duration<double>(SteadyClock::now() - *checkpoint_time_).count()
-            : -1.0);
-  }
+  // The checkpointer's last commit (step 0 and age -1 before the first).
+  const int64_t committed_ms = checkpointer_->last_committed_unix_ms();
+  resp.set_checkpoint_last_step(committed_ms > 0 ? checkpointer_->last_committed().step : 0);
+  resp.set_checkpoint_age_seconds(
+      committed_ms > 0 ? static_cast<double>(UnixMs() - committed_ms) / 1000.0 : -1.0);
   resp.set_exports_completed(exports_completed_);
   resp.set_step_running(running_step_);
   const CheckpointStats cs = checkpointer_->stats();
@@ -1350,12 +1343,6 @@ absl::StatusOr<slidedp::v1::GetStatsResponse> Engine::GetStats(
   resp.set_checkpoint_pool_high_water_bytes(cs.pool_high_water_bytes);
   resp.set_checkpoint_layers_copied_by_writer(cs.layers_copied_by_writer);
   return resp;
-}
-
-void Engine::NoteCheckpoint(uint64_t step) {
-  absl::MutexLock lock(&mu_);
-  checkpoint_step_ = step;
-  checkpoint_time_ = SteadyClock::now();
 }
 
 slidedp::v1::GetConfigResponse Engine::GetConfig() const {

@@ -130,10 +130,6 @@ class Engine {
   absl::Status WaitLayerVersion(uint32_t layer, uint64_t version,
                                 std::chrono::milliseconds timeout);
 
-  // The checkpoint hook: records that the state of `step` was checkpointed now (GetStats'
-  // checkpoint_last_step and checkpoint_age_seconds, the metrics endpoint).
-  void NoteCheckpoint(uint64_t step);
-
   TrainingState* state() const { return state_.get(); }
   UpdateWorker* worker() const { return worker_.get(); }
   GradientReducer* reducer() const { return reducer_.get(); }
@@ -242,8 +238,6 @@ class Engine {
   double step_seconds_sum_ ABSL_GUARDED_BY(mu_) = 0;
   std::vector<uint64_t> step_seconds_buckets_ ABSL_GUARDED_BY(mu_);
   uint64_t param_bytes_published_ ABSL_GUARDED_BY(mu_) = 0;
-  uint64_t checkpoint_step_ ABSL_GUARDED_BY(mu_) = 0;
-  std::optional<std::chrono::steady_clock::time_point> checkpoint_time_ ABSL_GUARDED_BY(mu_);
   uint64_t exports_completed_ ABSL_GUARDED_BY(mu_) = 0;
   std::vector<uint32_t> torn_layers_ ABSL_GUARDED_BY(mu_);
   std::vector<double> last_grad_norm_ ABSL_GUARDED_BY(mu_);

@@ -12,7 +12,7 @@
 //   grad_bytes_received_total (ranks' D2H), param_bytes_published_total (what ranks H2D)
 //   shm_bytes, locked_bytes (pinned), ranks_attached, world_size
 //   layer_version{layer="model.layers.0"}, layer_version_min, layer_version_max
-//   checkpoint_last_step and checkpoint_age_seconds (NaN until Engine::NoteCheckpoint is called)
+//   checkpoint_last_step and checkpoint_age_seconds (the last committed checkpoint; NaN before one)
 //   exports_completed_total, uptime_seconds
 // Before a job exists only build_info and uptime_seconds are exposed.
 //
