@@ -143,7 +143,10 @@ def cmd_train(a):
                                 nondecoder=a.nondecoder,
                                 verify_init=not a.meta and not a.no_verify)
     dev = model.slidedp.backend.device if hasattr(model.slidedp.backend, "device") else "cpu"
-    tokens = load_tokens(a.data, cfg.vocab_size, a.data_seed, (a.steps + 1) * a.batch * a.seq)
+    # A resumed job (hostd --resume) goes on at hostd's step, and so does the data.
+    first = model.slidedp.next_step - 1
+    tokens = load_tokens(a.data, cfg.vocab_size, a.data_seed,
+                         (first + a.steps + 1) * a.batch * a.seq)
     per_rank = a.batch // world
     micro = per_rank // a.accum
     logf = open(a.loss_log.format(rank=rank), "w") if a.loss_log else None
@@ -156,7 +159,8 @@ def cmd_train(a):
             pass
     t0 = time.perf_counter()
     for step in range(a.steps):
-        rows = batch_rows(tokens, step, a.batch, a.seq)[rank * per_rank:(rank + 1) * per_rank]
+        rows = batch_rows(tokens, first + step, a.batch,
+                          a.seq)[rank * per_rank:(rank + 1) * per_rank]
         losses = []
         for m in range(a.accum):
             x = torch.from_numpy(rows[m * micro:(m + 1) * micro].copy()).to(dev)
@@ -165,7 +169,7 @@ def cmd_train(a):
             losses.append(float(loss.detach()))
         stats = opt.step()
         opt.zero_grad()
-        rec = dict(stats, step=step + 1, hostd_step=stats["step"], rank=rank,
+        rec = dict(stats, step=first + step + 1, hostd_step=stats["step"], rank=rank,
                    loss=sum(losses) / len(losses))
         if logf:
             logf.write(json.dumps(rec) + "\n")
@@ -174,7 +178,7 @@ def cmd_train(a):
             bar.set_postfix(loss=f"{rec['loss']:.4f}", tok_s=f"{stats['tokens_per_s']:.0f}")
             bar.update(1)
         elif rank == 0:
-            print(f"step {step + 1}/{a.steps} loss {rec['loss']:.4f} "
+            print(f"step {first + step + 1}/{first + a.steps} loss {rec['loss']:.4f} "
                   f"{stats['tokens_per_s']:.0f} tok/s {stats['step_time_s']:.3f} s", flush=True)
     if bar is not None:
         bar.close()
@@ -204,7 +208,8 @@ def main():
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--batch", type=int, default=8, help="global batch (rows per step)")
     t.add_argument("--seq", type=int, default=128)
-    t.add_argument("--steps", type=int, default=20)
+    t.add_argument("--steps", type=int, default=20,
+                   help="steps to run (a job resumed by hostd goes on at its step, data too)")
     t.add_argument("--accum", type=int, default=1, help="micro-batches per step")
     t.add_argument("--checkpointing", default="full",
                    type=lambda v: v if v in ("full", "none") else float(v),

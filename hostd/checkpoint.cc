@@ -183,7 +183,8 @@ Checkpointer::~Checkpointer() {
   writer_.join();
 }
 
-absl::Status Checkpointer::Start(const std::string& dir, uint64_t step, CheckpointInfo info) {
+absl::Status Checkpointer::Start(const std::string& dir, uint64_t step, CheckpointInfo info,
+                                 const std::vector<uint32_t>& awaiting_client) {
   std::lock_guard<std::mutex> lock(mu_);
   if (stop_) return absl::UnavailableError("the checkpointer is stopping");
   if (active_) {
@@ -204,6 +205,9 @@ absl::Status Checkpointer::Start(const std::string& dir, uint64_t step, Checkpoi
   info_ = std::move(info);
   cancel_reason_.clear();
   layers_.assign(state_->num_layers(), LayerState::kPending);
+  for (uint32_t l : awaiting_client) {
+    if (l < layers_.size()) layers_[l] = LayerState::kAwaitingClient;
+  }
   snapshots_.clear();
   pool_used_ = 0;
   wanted_layer_ = -1;
@@ -226,6 +230,28 @@ absl::StatusOr<CheckpointResult> Checkpointer::Wait(uint64_t step, int64_t timeo
     return absl::NotFoundError(absl::StrCat("no checkpoint of step ", step, " was started"));
   }
   return it->second;
+}
+
+void Checkpointer::ClientLayerReady(uint32_t layer, uint64_t step) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!active_ || step != step_ || layer >= layers_.size() ||
+        layers_[layer] != LayerState::kAwaitingClient) {
+      return;
+    }
+    layers_[layer] = LayerState::kPending;
+  }
+  cv_.notify_all();
+}
+
+std::vector<uint32_t> Checkpointer::awaiting_client() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<uint32_t> out;
+  if (!active_) return out;
+  for (uint32_t l = 0; l < layers_.size(); ++l) {
+    if (layers_[l] == LayerState::kAwaitingClient) out.push_back(l);
+  }
+  return out;
 }
 
 void Checkpointer::Cancel(const std::string& reason) {
@@ -419,7 +445,23 @@ void Checkpointer::RunCheckpoint(std::unique_lock<std::mutex>& lock) {
                       [](LayerState s) { return s == LayerState::kDone; })) {
         break;
       }
-      // Layers not yet at version t (their update for step t is still to come) or being copied.
+      // Layers not yet at version t (their update for step t is still to come), being copied,
+      // or awaited from the ranks (bounded by client_upload_timeout_ms).
+      std::vector<uint32_t> awaited;
+      for (uint32_t l = 0; l < num_layers; ++l) {
+        if (layers_[l] == LayerState::kAwaitingClient) awaited.push_back(l);
+      }
+      if (!awaited.empty() && Seconds(started_, Clock::now()) * 1000.0 >
+                                  static_cast<double>(options_.client_upload_timeout_ms)) {
+        status = absl::DeadlineExceededError(absl::StrCat(
+            "checkpoint of step ", step, ": rank 0 did not upload its state of layers ",
+            absl::StrJoin(awaited, ", "), " (updated by the ranks: client_updated_layers) within ",
+            options_.client_upload_timeout_ms / 1000,
+            " s (checkpoint.client_upload_timeout_s); python_client uploads them at opt.step() "
+            "when hostd asks, a native rank with client_updated_layers must call "
+            "slidedp_rank_upload_client_layer"));
+        break;
+      }
       cv_.wait_for(lock, std::chrono::milliseconds(2));
       continue;
     }

@@ -96,6 +96,8 @@ class Checkpointer {
   struct Options {
     uint32_t keep_last = 3;                     // 0: keep every checkpoint
     uint64_t snapshot_pool_bytes = 1ull << 30;  // room for copies of layers
+    // How long a checkpoint waits for ClientLayerReady of the layers it awaits from the ranks.
+    int64_t client_upload_timeout_ms = 300000;
   };
   // `state` and `pool` must outlive the checkpointer; `pool` is used only inside
   // BeforeLayerWrite (on the update worker's thread).
@@ -109,12 +111,23 @@ class Checkpointer {
   // and none may yet have started its update for step + 1 (the caller, the engine, holds the
   // step lifecycle and guarantees that). FAILED_PRECONDITION when another checkpoint is in
   // flight (naming its step); ALREADY_EXISTS when step-<t> is committed in `dir` already.
-  absl::Status Start(const std::string& dir, uint64_t step, CheckpointInfo info);
+  // `awaiting_client`: layers the ranks update themselves whose version-t state is not in
+  // hostd's copy yet; they are captured only after ClientLayerReady (the ranks' upload), and the
+  // checkpoint fails (DEADLINE_EXCEEDED naming them) when that does not come within
+  // options.client_upload_timeout_ms.
+  absl::Status Start(const std::string& dir, uint64_t step, CheckpointInfo info,
+                     const std::vector<uint32_t>& awaiting_client = {});
   // Blocks until the checkpoint of `step` has committed or failed (or `timeout_ms` passed:
   // DEADLINE_EXCEEDED). NOT_FOUND when no checkpoint of `step` was started.
   absl::StatusOr<CheckpointResult> Wait(uint64_t step, int64_t timeout_ms);
   // Fails the checkpoint in flight (its .tmp directory is removed): e.g. the state is torn.
   void Cancel(const std::string& reason);
+
+  // hostd's copy of a layer awaited from the ranks now holds version `step` (no-op for another
+  // step, a layer not awaited, or no checkpoint in flight).
+  void ClientLayerReady(uint32_t layer, uint64_t step);
+  // The layers the checkpoint in flight still awaits from the ranks (empty when none).
+  std::vector<uint32_t> awaiting_client() const;
 
   // The update worker's hook: called before `layer`'s data is written for `step`.
   void BeforeLayerWrite(uint32_t layer, uint64_t step);
@@ -130,8 +143,9 @@ class Checkpointer {
  private:
   // kPending: at or below version t, not captured; kCopying: the writer copies it into the
   // pool; kSnapshotted: its copy is in the pool (or being made by an update); kWritingLive: the
-  // writer writes it from the live state; kDone: written.
-  enum class LayerState { kPending, kCopying, kSnapshotted, kWritingLive, kDone };
+  // writer writes it from the live state; kDone: written; kAwaitingClient: a client-updated
+  // layer whose version-t state the ranks have not uploaded yet (becomes kPending).
+  enum class LayerState { kPending, kCopying, kSnapshotted, kWritingLive, kDone, kAwaitingClient };
   struct Snapshot {
     std::unique_ptr<float[]> data;  // master | m | v
     uint64_t numel = 0;

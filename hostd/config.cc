@@ -531,6 +531,12 @@ std::vector<KeyDescriptor> BuildKeys() {
       "all.",
       kU32, [](const HostdConfig& c) { return c.checkpoint.keep_last; },
       [](HostdConfig& c, uint64_t v) { c.checkpoint.keep_last = static_cast<uint32_t>(v); }));
+  k.push_back(UintKey(
+      "checkpoint.client_upload_timeout_s", ckpt,
+      "Seconds a checkpoint waits for rank 0 to upload the layers the ranks update themselves "
+      "(client_updated_layers, e.g. python_client's resident embeddings) before it fails.",
+      86400, [](const HostdConfig& c) { return c.checkpoint.client_upload_timeout_s; },
+      [](HostdConfig& c, uint64_t v) { c.checkpoint.client_upload_timeout_s = v; }));
   k.push_back(BoolKey(
       "checkpoint.on_stop", ckpt,
       "On a clean stop (SIGTERM/SIGINT) write a final checkpoint before removing the state "

@@ -68,12 +68,13 @@ struct HostdConfig {
   bool metrics_allow_remote = false;
   // [checkpoint] table (keys checkpoint.<name>; env SLIDEDP_CHECKPOINT_<NAME>); hostd/checkpoint.h.
   struct Checkpoint {
-    std::string dir;                   // where step-<t>/ directories go; "" : checkpoints off
-    uint64_t every_steps = 0;          // 0: only on request (and on stop)
-    uint32_t keep_last = 3;            // 0: keep every checkpoint
-    bool on_stop = true;               // a clean stop writes a final checkpoint first
-    uint64_t snapshot_pool_bytes = 0;  // 0: auto (the state's size when MemAvailable allows)
-    std::string resume;                // a checkpoint directory or step directory to start from
+    std::string dir;                         // where step-<t>/ directories go; "" : checkpoints off
+    uint64_t every_steps = 0;                // 0: only on request (and on stop)
+    uint32_t keep_last = 3;                  // 0: keep every checkpoint
+    bool on_stop = true;                     // a clean stop writes a final checkpoint first
+    uint64_t client_upload_timeout_s = 300;  // wait for the ranks' client-updated layers
+    uint64_t snapshot_pool_bytes = 0;        // 0: auto (the state's size when MemAvailable allows)
+    std::string resume;  // a checkpoint directory or step directory to start from
   } checkpoint;
   // checkpoint|fresh|refuse: see hostd/recovery.h.
   std::string recovery_on_inconsistent = "checkpoint";

@@ -115,6 +115,9 @@ int64_t UnixMs() {
 
 // How long an RPC with wait blocks for a checkpoint to commit.
 constexpr int64_t kCheckpointWaitMs = int64_t{6} * 3600 * 1000;
+// Elements per UploadClientLayer / ReadClientLayer message (1 MiB of FP32: under gRPC's
+// default 4 MiB message limit).
+constexpr uint64_t kClientLayerChunkElements = uint64_t{1} << 18;
 
 }  // namespace
 
@@ -255,11 +258,11 @@ void Engine::FinalCheckpoint() {
   {
     absl::MutexLock lock(&mu_);
     if (!config_.checkpoint.on_stop || config_.checkpoint.dir.empty() || !job_ || !state_) return;
-    if (absl::Status s = CheckCheckpointableLocked(); !s.ok()) {
+    version = state_->committed_version(0);
+    if (absl::Status s = CheckCheckpointableLocked(version); !s.ok()) {
       spdlog::error("no final checkpoint: {}", std::string(s.message()));
       return;
     }
-    version = state_->committed_version(0);
     for (uint32_t l = 1; l < state_->num_layers(); ++l) {
       if (state_->committed_version(l) != version) {
         spdlog::error("no final checkpoint: layer {} is at version {}, layer 0 at {}", l,
@@ -301,16 +304,206 @@ CheckpointInfo Engine::CheckpointDescriptionLocked() const {
   return info;
 }
 
-absl::Status Engine::CheckCheckpointableLocked() const {
+absl::Status Engine::CheckCheckpointableLocked(uint64_t version) const {
   RETURN_IF_ERROR(CheckNotTornLocked());
-  if (!client_layers_.empty()) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "the ranks update layers ", LayerList(client_layers_),
-        " themselves (client_updated_layers), so hostd's copy of them is not the job's state and "
-        "a checkpoint of hostd alone would be incomplete; checkpoint those layers on the client "
-        "side, or attach without client_updated_layers (python_client: nondecoder=\"host\")"));
+  if (!client_layers_.empty() && client_copy_version_ != version) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("the ranks update layers ", LayerList(client_layers_),
+                     " themselves (client_updated_layers) and hostd's copy of them is ",
+                     client_copy_version_ ? absl::StrCat("at version ", *client_copy_version_)
+                                          : std::string("of an unknown version"),
+                     ", not ", version,
+                     "; rank 0 uploads them when a checkpoint asks and when it closes "
+                     "(python_client: opt.close() / the end of the with-block)"));
   }
   return absl::OkStatus();
+}
+
+bool Engine::ClientCopyCurrentLocked() const {
+  if (client_layers_.empty()) return true;
+  return running_step_ == 0 && client_copy_version_ && *client_copy_version_ + 1 == next_step_;
+}
+
+void Engine::RequestClientSyncLocked(uint64_t step) {
+  client_sync_step_ = step;
+  if (state_) {
+    shm::Atomic(state_->control().client_sync_step).store(step, std::memory_order_release);
+  }
+  if (step != 0) {
+    spdlog::info("asking rank 0 for its state of layers {} at version {}",
+                 LayerList(client_layers_), step);
+  }
+}
+
+absl::Status Engine::StartCheckpointLocked(const std::string& dir, uint64_t step) {
+  RETURN_IF_ERROR(CheckNotTornLocked());
+  std::vector<uint32_t> awaiting;
+  if (!client_layers_.empty() && client_copy_version_ != step) awaiting = client_layers_;
+  RETURN_IF_ERROR(checkpointer_->Start(dir, step, CheckpointDescriptionLocked(), awaiting));
+  if (!awaiting.empty()) RequestClientSyncLocked(step);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<slidedp::v1::UploadClientLayerResponse> Engine::UploadClientLayer(
+    const slidedp::v1::UploadClientLayerRequest& r) {
+  absl::MutexLock lock(&mu_);
+  RETURN_IF_ERROR(CheckJob(r.job_id()));
+  if (r.rank() >= ranks_.size() || !ranks_[r.rank()].attached) {
+    return absl::FailedPreconditionError(absl::StrCat("rank ", r.rank(), " is not attached"));
+  }
+  if (r.attach_token() != ranks_[r.rank()].token) {
+    return absl::PermissionDeniedError(
+        absl::StrCat("attach_token: does not match the token issued to rank ", r.rank()));
+  }
+  if (r.rank() != 0) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "rank: only rank 0 uploads the client-updated layers (every rank holds the same state); "
+        "got rank ",
+        r.rank()));
+  }
+  if (r.layer() >= state_->num_layers() || !client_updated_[r.layer()]) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("layer: ", r.layer(),
+                     " is not updated by the ranks; the client-updated "
+                     "layers are ",
+                     LayerList(client_layers_)));
+  }
+  if (r.part() > 2) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("part: expected 0 (master), 1 (m) or 2 (v), got ", r.part()));
+  }
+  if (r.data().size() % sizeof(float) != 0 || r.data().empty() ||
+      r.data().size() > kClientLayerChunkElements * sizeof(float)) {
+    return absl::InvalidArgumentError(absl::StrCat("data: expected 1..", kClientLayerChunkElements,
+                                                   " FP32 values (a multiple of 4 bytes), got ",
+                                                   r.data().size(), " bytes"));
+  }
+  const uint64_t count = r.data().size() / sizeof(float);
+  const uint64_t numel = state_->layers()[r.layer()].numel;
+  if (r.offset() > numel || count > numel - r.offset()) {
+    return absl::OutOfRangeError(absl::StrCat("offset: ", r.offset(), " + ", count,
+                                              " elements pass the end of layer ", r.layer(), " (",
+                                              numel, " elements)"));
+  }
+  // Which version is accepted: the one a checkpoint asked for, else (between steps, no export,
+  // no checkpoint writing) the last completed step.
+  for (;;) {
+    if (client_sync_step_ != 0) {
+      if (r.step() != client_sync_step_) {
+        return absl::FailedPreconditionError(absl::StrCat("step: a checkpoint asks for version ",
+                                                          client_sync_step_, ", got ", r.step()));
+      }
+      break;
+    }
+    if (running_step_ != 0 || r.step() + 1 != next_step_ || export_active_) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "step: hostd accepts an unasked upload only between steps, of the last completed step (",
+          next_step_ - 1, "), with no export running; got version ", r.step(),
+          running_step_ != 0 ? absl::StrCat(" while step ", running_step_, " runs") : ""));
+    }
+    if (client_copy_version_ == r.step() && client_upload_step_ != r.step()) {
+      return absl::AlreadyExistsError(absl::StrCat(
+          "hostd's copy of the client-updated layers is at version ", r.step(), " already"));
+    }
+    const uint64_t in_flight = checkpointer_->in_flight_step();
+    if (in_flight == 0) break;
+    // A checkpoint may still read the layers from the live state: let it finish first.
+    mu_.Unlock();
+    (void)checkpointer_->Wait(in_flight, kCheckpointWaitMs);
+    mu_.Lock();
+    RETURN_IF_ERROR(CheckJob(r.job_id()));
+  }
+  if (client_upload_step_ != r.step()) {
+    client_upload_step_ = r.step();
+    client_received_.assign(state_->num_layers(), {0, 0, 0});
+  }
+  uint64_t& received = client_received_[r.layer()][r.part()];
+  const bool layer_was_complete = client_received_[r.layer()][0] == numel &&
+                                  client_received_[r.layer()][1] == numel &&
+                                  client_received_[r.layer()][2] == numel;
+  if (layer_was_complete) {
+    return absl::AlreadyExistsError(
+        absl::StrCat("layer ", r.layer(), " of version ", r.step(), " is uploaded already"));
+  }
+  if (r.offset() != 0 && r.offset() != received) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("offset: expected ", received,
+                     " (or 0 to restart the part): the pieces of a part come "
+                     "in order; got ",
+                     r.offset()));
+  }
+  float* dst = r.part() == 0   ? state_->master(r.layer())
+               : r.part() == 1 ? state_->exp_avg(r.layer())
+                               : state_->exp_avg_sq(r.layer());
+  std::memcpy(dst + r.offset(), r.data().data(), count * sizeof(float));
+  if (r.part() == 0) {
+    kernels::CastFp32ToBf16(isa_, dst + r.offset(), state_->params(r.layer()) + r.offset(), count);
+  }
+  received = r.offset() + count;
+  slidedp::v1::UploadClientLayerResponse resp;
+  const auto& rec = client_received_[r.layer()];
+  if (rec[0] == numel && rec[1] == numel && rec[2] == numel) {
+    resp.set_layer_complete(true);
+    checkpointer_->ClientLayerReady(r.layer(), r.step());
+    bool all = true;
+    for (uint32_t l : client_layers_) {
+      const uint64_t n = state_->layers()[l].numel;
+      all = all && client_received_[l][0] == n && client_received_[l][1] == n &&
+            client_received_[l][2] == n;
+    }
+    if (all) {
+      resp.set_all_complete(true);
+      client_copy_version_ = r.step();
+      if (client_sync_step_ == r.step()) RequestClientSyncLocked(0);
+      spdlog::info("hostd's copy of layers {} is at version {} (uploaded by rank 0)",
+                   LayerList(client_layers_), r.step());
+    }
+  }
+  return resp;
+}
+
+absl::StatusOr<slidedp::v1::ReadClientLayerResponse> Engine::ReadClientLayer(
+    const slidedp::v1::ReadClientLayerRequest& r) {
+  absl::MutexLock lock(&mu_);
+  RETURN_IF_ERROR(CheckJob(r.job_id()));
+  if (r.layer() >= state_->num_layers() || !client_updated_[r.layer()]) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("layer: ", r.layer(),
+                     " is not updated by the ranks; the client-updated "
+                     "layers are ",
+                     LayerList(client_layers_)));
+  }
+  if (r.part() > 2) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("part: expected 0 (master), 1 (m) or 2 (v), got ", r.part()));
+  }
+  const uint64_t numel = state_->layers()[r.layer()].numel;
+  if (r.count() == 0 || r.count() > kClientLayerChunkElements) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("count: expected 1..", kClientLayerChunkElements, ", got ", r.count()));
+  }
+  if (r.offset() > numel || r.count() > numel - r.offset()) {
+    return absl::OutOfRangeError(absl::StrCat("offset: ", r.offset(), " + ", r.count(),
+                                              " elements pass the end of layer ", r.layer(), " (",
+                                              numel, " elements)"));
+  }
+  if (!ClientCopyCurrentLocked()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "hostd's copy of layer ", r.layer(), " is ",
+        client_copy_version_ ? absl::StrCat("at version ", *client_copy_version_)
+                             : std::string("of an unknown version"),
+        " but the job is at step ", next_step_ - 1,
+        running_step_ != 0 ? absl::StrCat(" (step ", running_step_, " running)") : "",
+        ": the ranks' state of it is newer; restart hostd from a checkpoint (--resume) to "
+        "continue"));
+  }
+  const float* src = r.part() == 0   ? state_->master(r.layer())
+                     : r.part() == 1 ? state_->exp_avg(r.layer())
+                                     : state_->exp_avg_sq(r.layer());
+  slidedp::v1::ReadClientLayerResponse resp;
+  resp.set_version(next_step_ - 1);
+  resp.set_data(reinterpret_cast<const char*>(src + r.offset()), r.count() * sizeof(float));
+  return resp;
 }
 
 absl::StatusOr<slidedp::v1::CheckpointResponse> Engine::Checkpoint(
@@ -320,7 +513,6 @@ absl::StatusOr<slidedp::v1::CheckpointResponse> Engine::Checkpoint(
   {
     absl::MutexLock lock(&mu_);
     RETURN_IF_ERROR(CheckJob(r.job_id()));
-    RETURN_IF_ERROR(CheckCheckpointableLocked());
     dir = r.dir().empty() ? config_.checkpoint.dir : r.dir();
     if (dir.empty()) {
       return absl::FailedPreconditionError(
@@ -330,7 +522,7 @@ absl::StatusOr<slidedp::v1::CheckpointResponse> Engine::Checkpoint(
     // Version t: the running step's (its layers reach t as its updates land; none can start
     // t + 1 before the capture), else the last completed step's (every layer is at it).
     step = running_step_ != 0 ? running_step_ : next_step_ - 1;
-    RETURN_IF_ERROR(checkpointer_->Start(dir, step, CheckpointDescriptionLocked()));
+    RETURN_IF_ERROR(StartCheckpointLocked(dir, step));
     spdlog::info("checkpoint of step {} requested into {}", step, dir);
   }
   slidedp::v1::CheckpointResponse resp;
@@ -477,6 +669,7 @@ absl::Status Engine::CreateJobLocked(slidedp::v1::JobSpec spec, LoadedModel mode
   const auto t0 = SteadyClock::now();
   if (recovered.plan.action == RecoveryPlan::Action::kAdopt) {
     state_ = std::move(recovered.state);
+    client_copy_version_.reset();  // the client-updated layers' state lived in the ranks
     next_step_ = recovered.plan.step + 1;
     steps_completed_ = recovered.plan.step;
     spdlog::info("re-adopted job {} at step {} (instance '{}'; the job continues at step {})",
@@ -489,6 +682,7 @@ absl::Status Engine::CreateJobLocked(slidedp::v1::JobSpec spec, LoadedModel mode
           spec.job_id(), recovered.plan.reason);
     }
     ASSIGN_OR_RETURN(state_, TrainingState::Create(so, pool_.get()));
+    client_copy_version_ = 0;
   }
   spdlog::info(
       "job '{}': model {} ({}), {} layers, {} parameters, weights {}, {:.2f} GiB shared memory, "
@@ -510,6 +704,7 @@ absl::Status Engine::CreateJobLocked(slidedp::v1::JobSpec spec, LoadedModel mode
     steps_completed_ = resume->step;
     resumed_from_ = resume->path;
     start_step_ = resume->step;
+    client_copy_version_ = resume->step;  // checkpoints hold every layer, the ranks' ones too
     spdlog::info("resumed from checkpoint {} (step {}, {:.2f} GB) in {:.2f} s; next step {}",
                  resume->path, resume->step, static_cast<double>(resume->total_bytes) / 1e9,
                  std::chrono::duration<double>(SteadyClock::now() - r0).count(), next_step_);
@@ -677,12 +872,17 @@ absl::StatusOr<slidedp::v1::AttachRankResponse> Engine::AttachRank(
                      " themselves; every rank of the job must send the same set"));
   }
   if (!any_attached && client_layers != client_layers_) {
-    if (client_layers_trained_) {
+    if (client_layers_trained_ && !ClientCopyCurrentLocked()) {
       return absl::FailedPreconditionError(absl::StrCat(
           "client_updated_layers: the job's ranks updated layers ", LayerList(client_layers_),
-          " themselves in earlier steps, so hostd's copy of them is stale; attach with the same "
-          "set (and the ranks' state of those layers) or start a new job"));
+          " themselves in earlier steps and hostd's copy of them is ",
+          client_copy_version_ ? absl::StrCat("at version ", *client_copy_version_)
+                               : std::string("of an unknown version"),
+          ", not the job's step ", next_step_ - 1,
+          "; attach with the same set (and the ranks' state of those layers), restart hostd "
+          "from a checkpoint (--resume), or start a new job"));
     }
+    client_layers_trained_ = false;
     if (running_step_ != 0) {
       return absl::FailedPreconditionError(
           absl::StrCat("client_updated_layers: step ", running_step_,
@@ -728,6 +928,7 @@ absl::StatusOr<slidedp::v1::AttachRankResponse> Engine::AttachRank(
   slidedp::v1::AttachRankResponse resp;
   resp.set_attach_token(e.token);
   resp.set_next_step(next_step_);
+  resp.set_client_layers_current(!client_layers_.empty() && ClientCopyCurrentLocked());
   slidedp::v1::Layout* layout = resp.mutable_layout();
   layout->set_chunk_bytes(job_->routes().chunk_bytes());
   layout->set_manifest_hash(have);
@@ -1036,11 +1237,7 @@ void Engine::OnLayerDone(const LayerUpdateResult& r) {
     const uint64_t every = config_.checkpoint.every_steps;
     if (every > 0 && next_step_ > 1 && (next_step_ - 1) % every == 0) {
       // Every layer is at the completed step and none has begun the next: the capture point.
-      absl::Status cs = CheckCheckpointableLocked();
-      if (cs.ok()) {
-        cs = checkpointer_->Start(config_.checkpoint.dir, next_step_ - 1,
-                                  CheckpointDescriptionLocked());
-      }
+      absl::Status cs = StartCheckpointLocked(config_.checkpoint.dir, next_step_ - 1);
       if (!cs.ok())
         spdlog::warn("checkpoint of step {} skipped: {}", next_step_ - 1,
                      std::string(cs.message()));
@@ -1522,16 +1719,20 @@ absl::StatusOr<slidedp::v1::ExportHFResponse> Engine::ExportHF(
     }
     if (ready.ok()) ready = CheckServing();
     if (ready.ok()) ready = CheckNotTornLocked();
-    if (ready.ok() && client_layers_trained_) {
+    if (ready.ok() && client_layers_trained_ && !ClientCopyCurrentLocked()) {
       std::vector<std::string> names;
       for (uint32_t l : client_layers_) {
         names.push_back(absl::StrCat(l, " '", state_->layers()[l].name, "'"));
       }
       ready = absl::FailedPreconditionError(absl::StrCat(
           "layers ", absl::StrJoin(names, ", "),
-          " are updated by the ranks (client_updated_layers): hostd's copy of them is the initial "
-          "one, so an export would mix trained and untrained weights; export from the training "
-          "job (save_pretrained) instead"));
+          " are updated by the ranks (client_updated_layers) and hostd's copy of them is ",
+          client_copy_version_ ? absl::StrCat("at version ", *client_copy_version_)
+                               : std::string("of an unknown version"),
+          ", not ", next_step_ - 1,
+          ", so an export would mix versions; it is current after rank 0 uploads it (python_client "
+          "does when it closes) and in a job resumed from a checkpoint (hostd --resume DIR); or "
+          "export from the training job (save_pretrained)"));
     }
     version = next_step_ - 1;
     if (ready.ok()) {

@@ -31,6 +31,7 @@
 // in CreateJob, which initializes the state before it returns.
 #pragma once
 
+#include <array>
 #include <atomic>
 #include <chrono>
 #include <cstdint>
@@ -110,6 +111,18 @@ class Engine {
   absl::StatusOr<slidedp::v1::CheckpointResponse> Checkpoint(
       const slidedp::v1::CheckpointRequest& r);
 
+  // The ranks' state of the layers they update themselves (client_updated_layers) into hostd's
+  // copy, so checkpoints and exports include it (see UploadClientLayerRequest). A checkpoint of
+  // version t whose copy of those layers is older asks rank 0 for them (ControlBlock::
+  // client_sync_step = t) and writes them once they are in; between steps rank 0 may upload the
+  // last completed version unasked (python_client does when it closes), after which a clean
+  // stop's final checkpoint and ExportHF include them. ReadClientLayer gives the copy back while
+  // it is current (a resumed job: the ranks start from it).
+  absl::StatusOr<slidedp::v1::UploadClientLayerResponse> UploadClientLayer(
+      const slidedp::v1::UploadClientLayerRequest& r);
+  absl::StatusOr<slidedp::v1::ReadClientLayerResponse> ReadClientLayer(
+      const slidedp::v1::ReadClientLayerRequest& r);
+
   // --- sessions (one per attached rank; the service's stream handler drives these) ---
   // Validates the token and marks the rank connected.
   absl::StatusOr<slidedp::v1::SessionOpened> OpenSession(const slidedp::v1::SessionOpen& open);
@@ -159,8 +172,18 @@ class Engine {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The job as a checkpoint describes it (spec with the current optimizer, model fields).
   CheckpointInfo CheckpointDescriptionLocked() const ABSL_SHARED_LOCKS_REQUIRED(mu_);
-  // OK when a checkpoint of hostd's state is complete: no torn layer, no client-updated layer.
-  absl::Status CheckCheckpointableLocked() const ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  // OK when a checkpoint of hostd's state alone is complete at `version`: no torn layer, and
+  // hostd's copy of the client-updated layers is at `version` (or there are none).
+  absl::Status CheckCheckpointableLocked(uint64_t version) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  // Starts the checkpointer on version `step`; when hostd's copy of the client-updated layers
+  // is not at `step`, the checkpoint awaits them and rank 0 is asked to upload them.
+  absl::Status StartCheckpointLocked(const std::string& dir, uint64_t step)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // True when hostd's copy of the client-updated layers is the job's state now (none, or at the
+  // last completed step with no step running).
+  bool ClientCopyCurrentLocked() const ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  // Asks rank 0 for the client-updated layers at `step` (0: withdraws the request).
+  void RequestClientSyncLocked(uint64_t step) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Writes the final checkpoint of a clean stop (checkpoint.on_stop); the worker has stopped.
   void FinalCheckpoint();
   absl::Status CheckJob(absl::string_view job_id) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
@@ -225,6 +248,14 @@ class Engine {
   // True once a step completed with client_layers_ non-empty: hostd's copy of those layers is
   // then stale, and the set can no longer change (their state lives in the ranks).
   bool client_layers_trained_ ABSL_GUARDED_BY(mu_) = false;
+  // hostd's copy of the client-updated layers is the job's state at this version (the job's
+  // start: fresh or resumed; or the last complete upload); nullopt: unknown (a re-adopted job).
+  std::optional<uint64_t> client_copy_version_ ABSL_GUARDED_BY(mu_);
+  // The version rank 0 is asked to upload (0: none; mirrored in ControlBlock::client_sync_step).
+  uint64_t client_sync_step_ ABSL_GUARDED_BY(mu_) = 0;
+  // The upload in progress: its version and, per layer, elements received of master, m, v.
+  uint64_t client_upload_step_ ABSL_GUARDED_BY(mu_) = 0;
+  std::vector<std::array<uint64_t, 3>> client_received_ ABSL_GUARDED_BY(mu_);
   uint64_t steps_aborted_ ABSL_GUARDED_BY(mu_) = 0;
   double last_step_update_seconds_ ABSL_GUARDED_BY(mu_) = 0;
   double step_update_seconds_ ABSL_GUARDED_BY(mu_) = 0;

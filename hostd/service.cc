@@ -153,6 +153,14 @@ class ControlServer::Impl final : public v1::Control::Service {
                           v1::CheckpointResponse* resp) override {
     return Reply(engine_->Checkpoint(*req), resp);
   }
+  grpc::Status UploadClientLayer(grpc::ServerContext*, const v1::UploadClientLayerRequest* req,
+                                 v1::UploadClientLayerResponse* resp) override {
+    return Reply(engine_->UploadClientLayer(*req), resp);
+  }
+  grpc::Status ReadClientLayer(grpc::ServerContext*, const v1::ReadClientLayerRequest* req,
+                               v1::ReadClientLayerResponse* resp) override {
+    return Reply(engine_->ReadClientLayer(*req), resp);
+  }
 
   // One stream per rank: the first client message opens it; heartbeats follow. The stream's end
   // (the rank exited, crashed or cancelled) is the rank's death as far as hostd is concerned.

@@ -87,7 +87,11 @@ struct alignas(64) ControlBlock {
   // the field). Stored before the abort epoch moves for a later step, so a rank that began step
   // t + 1 and waits for step t can tell "t completed, t + 1 was aborted" from "t was aborted".
   uint64_t completed_step;
-  uint64_t reserved[5];
+  // atomic: the version at which hostd asks rank 0 to upload the layers the ranks update
+  // themselves (UploadClientLayer; a checkpoint of that step waits for them); 0: none. Stored
+  // before the step's remaining layers are published, so a rank past their version gates sees it.
+  uint64_t client_sync_step;
+  uint64_t reserved[4];
 };
 static_assert(sizeof(ControlBlock) == 128);
 

@@ -174,6 +174,7 @@ absl::Status RankClient::Init() {
   layout_ = attach.layout();
   next_step_ = attach.next_step();
   token_ = attach.attach_token();
+  client_layers_current_ = attach.client_layers_current();
   job_id_ = options_.job_id;
   grad_dtype_ = layout_.grad_dtype() == v1::DTYPE_FP32 ? 1 : 2;
   pushing_rank_ = layout_.grad_route() == v1::GRAD_ROUTE_CPU_REDUCTION ||
@@ -587,6 +588,77 @@ absl::StatusOr<std::string> RankClient::FetchCommId(uint64_t generation,
   v1::FetchCommIdResponse resp;
   RETURN_IF_ERROR(FromGrpc(session_->stub->FetchCommId(&ctx, req, &resp), "FetchCommId"));
   return resp.unique_id();
+}
+
+uint64_t RankClient::client_sync_step() const {
+  if (cb_ == nullptr) return 0;
+  return shm::Atomic(cb_->client_sync_step).load(std::memory_order_acquire);
+}
+
+namespace {
+constexpr uint64_t kClientPieceElements = uint64_t{1} << 18;  // hostd's limit per message
+}  // namespace
+
+absl::StatusOr<bool> RankClient::UploadClientLayer(uint64_t step, uint32_t layer, uint32_t part,
+                                                   uint64_t offset, const float* data,
+                                                   uint64_t count) {
+  if (detached_) return absl::FailedPreconditionError("rank is detached");
+  RETURN_IF_ERROR(CheckLayer(layer));
+  if (!client_updated(layer)) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("layer ", layer, " is updated by hostd, not by the ranks"));
+  }
+  if (data == nullptr && count > 0) return absl::InvalidArgumentError("data is null");
+  bool all = false;
+  v1::UploadClientLayerRequest req;
+  req.set_job_id(options_.job_id);
+  req.set_rank(options_.rank);
+  req.set_attach_token(token_);
+  req.set_step(step);
+  req.set_layer(layer);
+  req.set_part(part);
+  for (uint64_t done = 0; done < count;) {
+    const uint64_t n = std::min(kClientPieceElements, count - done);
+    req.set_offset(offset + done);
+    req.set_data(reinterpret_cast<const char*>(data + done), n * sizeof(float));
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() +
+                     std::chrono::milliseconds(options_.timeout_ms));
+    v1::UploadClientLayerResponse resp;
+    RETURN_IF_ERROR(
+        FromGrpc(session_->stub->UploadClientLayer(&ctx, req, &resp), "UploadClientLayer"));
+    all = resp.all_complete();
+    done += n;
+  }
+  return all;
+}
+
+absl::Status RankClient::ReadClientLayer(uint32_t layer, uint32_t part, uint64_t offset, float* dst,
+                                         uint64_t count, uint64_t* version) const {
+  RETURN_IF_ERROR(CheckLayer(layer));
+  if (dst == nullptr && count > 0) return absl::InvalidArgumentError("dst is null");
+  v1::ReadClientLayerRequest req;
+  req.set_job_id(options_.job_id);
+  req.set_layer(layer);
+  req.set_part(part);
+  for (uint64_t done = 0; done < count;) {
+    const uint64_t n = std::min(kClientPieceElements, count - done);
+    req.set_offset(offset + done);
+    req.set_count(n);
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() +
+                     std::chrono::milliseconds(options_.timeout_ms));
+    v1::ReadClientLayerResponse resp;
+    RETURN_IF_ERROR(FromGrpc(session_->stub->ReadClientLayer(&ctx, req, &resp), "ReadClientLayer"));
+    if (resp.data().size() != n * sizeof(float)) {
+      return absl::InternalError(absl::StrCat("ReadClientLayer: hostd sent ", resp.data().size(),
+                                              " bytes, expected ", n * sizeof(float)));
+    }
+    std::memcpy(dst + done, resp.data().data(), resp.data().size());
+    if (version != nullptr) *version = resp.version();
+    done += n;
+  }
+  return absl::OkStatus();
 }
 
 absl::StatusOr<v1::JobStatus> RankClient::JobStatus() const {

@@ -194,6 +194,24 @@ class RankClient {
   // current step is no error once `step` completed.
   absl::Status WaitStep(uint64_t step, std::chrono::milliseconds timeout);
 
+  // ---- The layers the ranks update themselves (client_updated_layers) ----
+  // The version hostd asks rank 0 to upload them at (ControlBlock::client_sync_step; 0: none):
+  // a checkpoint of that step waits for them.
+  uint64_t client_sync_step() const;
+  // hostd's copy of them was the job's state when this rank attached (fresh, resumed, or
+  // uploaded): a rank resuming a job reads it with ReadClientLayer.
+  bool client_layers_current() const { return client_layers_current_; }
+  // Uploads `count` elements of `part` (0 master, 1 m, 2 v) of client-updated `layer` at
+  // version `step`, starting at element `offset`, in pieces of at most 2^18 elements (parts go
+  // in order; see UploadClientLayerRequest). Returns true once hostd holds every client-updated
+  // layer at `step`. Rank 0 only.
+  absl::StatusOr<bool> UploadClientLayer(uint64_t step, uint32_t layer, uint32_t part,
+                                         uint64_t offset, const float* data, uint64_t count);
+  // Reads `count` elements of `part` of hostd's copy of client-updated `layer` from `offset`
+  // into `dst` while it is current; `version` (may be null) receives its version.
+  absl::Status ReadClientLayer(uint32_t layer, uint32_t part, uint64_t offset, float* dst,
+                               uint64_t count, uint64_t* version) const;
+
   // Detaches from hostd (idempotent).
   absl::Status Detach();
 
@@ -227,6 +245,7 @@ class RankClient {
   shm::ControlBlock* cb_ = nullptr;
   uint64_t step_ = 0;
   uint64_t next_step_ = 0;
+  bool client_layers_current_ = false;
   uint64_t abort_epoch_ = 0;  // at BeginStep
   // The gradient path's ring position: the ticket of the chunks being acquired (AcquireChunkSlot's
   // thread only) and the sequence numbers within it.

@@ -295,6 +295,46 @@ int slidedp_rank_client_layer_view(const slidedp_rank* h, uint32_t layer, const 
   return Ok();
 }
 
+int slidedp_rank_client_sync_step(const slidedp_rank* h, uint64_t* step) {
+  SLIDEDP_CHECK_HANDLE(h);
+  if (step == nullptr) return Fail(absl::StatusCode::kInvalidArgument, "step is null");
+  *step = h->client->client_sync_step();
+  return Ok();
+}
+
+int slidedp_rank_client_layers_current(const slidedp_rank* h, int* current) {
+  SLIDEDP_CHECK_HANDLE(h);
+  if (current == nullptr) return Fail(absl::StatusCode::kInvalidArgument, "current is null");
+  *current = h->client->client_layers_current() ? 1 : 0;
+  return Ok();
+}
+
+int slidedp_rank_upload_client_layer(slidedp_rank* h, uint64_t step, uint32_t layer, uint32_t part,
+                                     uint64_t offset, const float* data, uint64_t count,
+                                     int* all_complete) {
+  SLIDEDP_CHECK_HANDLE(h);
+  if (data == nullptr || count == 0) {
+    return Fail(absl::StatusCode::kInvalidArgument, "data must be non-null and count > 0");
+  }
+  absl::StatusOr<bool> all = h->client->UploadClientLayer(step, layer, part, offset, data, count);
+  if (!all.ok()) return Fail(all.status());
+  if (all_complete != nullptr) *all_complete = *all ? 1 : 0;
+  return Ok();
+}
+
+int slidedp_rank_read_client_layer(const slidedp_rank* h, uint32_t layer, uint32_t part,
+                                   uint64_t offset, float* dst, uint64_t count, uint64_t* version) {
+  SLIDEDP_CHECK_HANDLE(h);
+  if (dst == nullptr || count == 0) {
+    return Fail(absl::StatusCode::kInvalidArgument, "dst must be non-null and count > 0");
+  }
+  if (absl::Status s = h->client->ReadClientLayer(layer, part, offset, dst, count, version);
+      !s.ok()) {
+    return Fail(s);
+  }
+  return Ok();
+}
+
 int slidedp_rank_grad_route(const slidedp_rank* h, int* route) {
   SLIDEDP_CHECK_HANDLE(h);
   if (route == nullptr) return Fail(absl::StatusCode::kInvalidArgument, "route is null");

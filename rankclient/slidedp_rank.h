@@ -102,11 +102,32 @@ SLIDEDP_RANK_EXPORT int slidedp_rank_fetch_params(slidedp_rank* h, uint32_t laye
                                                   void* dst, size_t dst_bytes, uint32_t timeout_ms,
                                                   uint64_t* got_version);
 /* A read-only view of a client-updated layer's BF16 parameters in hostd's mapping (*bytes =
- * numel * 2), valid while the handle is attached. hostd never writes those layers, so the view
- * is stable; for any other layer this is FAILED_PRECONDITION (use slidedp_rank_fetch_params,
- * which waits for a version). Lets a rank load a resident layer without a host copy. */
+ * numel * 2), valid while the handle is attached. hostd writes those layers only when rank 0
+ * uploads them (below), so the view is stable; for any other layer this is
+ * FAILED_PRECONDITION (use slidedp_rank_fetch_params, which waits for a version). Lets a rank
+ * load a resident layer without a host copy. */
 SLIDEDP_RANK_EXPORT int slidedp_rank_client_layer_view(const slidedp_rank* h, uint32_t layer,
                                                        const void** ptr, uint64_t* bytes);
+/* Client-updated layers in checkpoints and exports. *step = the version hostd asks rank 0 to
+ * upload them at (a checkpoint of that step waits for them); 0: none. */
+SLIDEDP_RANK_EXPORT int slidedp_rank_client_sync_step(const slidedp_rank* h, uint64_t* step);
+/* *current = 1 when hostd's copy of the client-updated layers (master, m, v) was the job's
+ * state when this handle attached (a fresh job, a resumed checkpoint, an upload): read it with
+ * slidedp_rank_read_client_layer to resume. */
+SLIDEDP_RANK_EXPORT int slidedp_rank_client_layers_current(const slidedp_rank* h, int* current);
+/* Uploads `count` FP32 elements of `part` (0 master, 1 exp_avg, 2 exp_avg_sq) of client-updated
+ * `layer` at version `step`, from element `offset` (parts in order). Accepted for the version
+ * hostd asks for, or between steps for the last completed one. *all_complete (may be NULL) = 1
+ * once hostd holds every client-updated layer at `step`. Rank 0 only. */
+SLIDEDP_RANK_EXPORT int slidedp_rank_upload_client_layer(slidedp_rank* h, uint64_t step,
+                                                         uint32_t layer, uint32_t part,
+                                                         uint64_t offset, const float* data,
+                                                         uint64_t count, int* all_complete);
+/* Reads `count` elements of `part` of hostd's copy of client-updated `layer` into dst, while it
+ * is the job's current state (FAILED_PRECONDITION naming the versions otherwise). */
+SLIDEDP_RANK_EXPORT int slidedp_rank_read_client_layer(const slidedp_rank* h, uint32_t layer,
+                                                       uint32_t part, uint64_t offset, float* dst,
+                                                       uint64_t count, uint64_t* version);
 SLIDEDP_RANK_EXPORT int slidedp_rank_push_grad(slidedp_rank* h, uint64_t step, uint32_t layer,
                                                const void* grad, int dtype, size_t bytes,
                                                uint32_t timeout_ms);

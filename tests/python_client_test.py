@@ -33,6 +33,7 @@ every step's |loss - reference| <= 2e-3 * reference loss; final parameters: rela
 """
 import json
 import os
+import signal
 import socket as socketlib
 import subprocess
 import sys
@@ -156,7 +157,7 @@ class PythonClientTest(unittest.TestCase):
             time.sleep(0.05)
         return sock, p, log
 
-    def run_ranks(self, sock, model_dir, world, tag, extra=()):
+    def run_ranks(self, sock, model_dir, world, tag, extra=(), steps=STEPS):
         env = dict(os.environ, SLIDEDP_RANK_LIB=LIB, OMP_NUM_THREADS="1")
         logs = [os.path.join(self.tmp, f"{tag}-loss{r}.jsonl") for r in range(world)]
         dump = os.path.join(self.tmp, f"{tag}-params.pt")
@@ -166,7 +167,7 @@ class PythonClientTest(unittest.TestCase):
             "--master-addr", "127.0.0.1", "--master-port", str(free_port())]
         cmd = [*launch, os.path.join(ROOT, "examples", "train_hf.py"), "train", "--hostd", sock,
                "--model", model_dir, "--batch", str(BATCH), "--seq", str(SEQ), "--steps",
-               str(STEPS), "--device", DEVICE, "--threads", "1", "--no-progress",
+               str(steps), "--device", DEVICE, "--threads", "1", "--no-progress",
                "--data", self.data,
                "--loss-log", os.path.join(self.tmp, f"{tag}-loss{{rank}}.jsonl"),
                "--dump-params", dump, *extra]
@@ -251,6 +252,69 @@ class PythonClientTest(unittest.TestCase):
         job = json.loads(out)["job"]
         self.assertEqual(job["client_updated_layers"], [0, 5, 6], out)
         self.assertEqual(int(job["step"]), STEPS, out)
+
+    def test_resident_layers_checkpoint_and_resume(self):
+        """nondecoder="resident" with hostd's checkpoints: a checkpoint of step 3 (every_steps 3)
+        asks rank 0 for the resident layers (embedding, norm, lm_head) and waits for its upload;
+        the close uploads step 5's, which the final checkpoint of a clean stop holds. A hostd
+        resumed from either checkpoint gives the resident layers back to the rank (master, m,
+        v), and training goes on bit-identical to an uninterrupted run."""
+        if DEVICE != "cpu":
+            self.skipTest("bit-exact resume runs in the CPU variant (python_client_test)")
+        import torch
+        d = self.prepare("ckres", "qwen3-tiny")
+        res = ["--checkpointing", "full", "--nondecoder", "resident"]
+        sock, _, _ = self.start_hostd(d, 1, "u")
+        full, full_dump = self.run_ranks(sock, d, 1, "u", res, steps=6)
+        ck = os.path.join(self.tmp, "ck")
+        sock, hostd, log = self.start_hostd(d, 1, "c", ["--checkpoint.dir", ck,
+                                                        "--checkpoint.every_steps", "3",
+                                                        "--checkpoint.keep_last", "5"])
+        part, _ = self.run_ranks(sock, d, 1, "c", res, steps=5)
+        hostd.send_signal(signal.SIGTERM)
+        self.assertEqual(hostd.wait(60), 0)
+        log.seek(0)
+        text = log.read()
+        self.assertIn("asking rank 0 for its state of layers [0, 5, 6] at version 3", text)
+        self.assertIn("checkpoint of step 3 committed", text)
+        self.assertIn("at version 5 (uploaded by rank 0)", text)
+        self.assertIn("checkpoint of step 5 committed", text)
+        for k in range(5):  # the same job so far
+            self.assertEqual(part[0][k]["loss"], full[0][k]["loss"], f"step {k + 1}")
+        full_final = torch.load(full_dump)
+        for step_dir, tag, steps in ((os.path.join(ck, "step-000000000003"), "r3", 3),
+                                     (ck, "r5", 1)):  # the directory: its newest, step 5
+            sock, _, _ = self.start_hostd(d, 1, tag, ["--checkpoint.resume", step_dir])
+            got, dump = self.run_ranks(sock, d, 1, tag, res, steps=steps)
+            first = 6 - steps
+            for k in range(steps):
+                self.assertEqual(got[0][k]["step"], first + k + 1)
+                self.assertEqual(got[0][k]["loss"], full[0][first + k]["loss"],
+                                 f"{tag}: step {first + k + 1}")
+            final = torch.load(dump)
+            for n, t in full_final.items():
+                self.assertTrue(torch.equal(final[n], t), f"{tag}: {n}")
+        # Without the upload hostd's copy is stale: a resident attach to the job is refused.
+        sock, hostd, _ = self.start_hostd(d, 1, "s")
+        env = dict(os.environ, SLIDEDP_RANK_LIB=LIB, OMP_NUM_THREADS="1",
+                   PYTHONPATH=os.path.join(ROOT, "python_client"))
+        code = ("import sys, torch, slidedp; sys.path.insert(0, %r); import train_hf\n"
+                "cfg = train_hf.make_config(%r); m = train_hf.build_model(cfg, 0)\n"
+                "m, opt = slidedp.attach(m, hostd=%r, device='cpu', nondecoder='resident', "
+                "verify_init=False)\n"
+                "x = torch.zeros(1, 8, dtype=torch.long); m(input_ids=x, labels=x).loss.backward()\n"
+                "opt.step(); m.slidedp.rank.wait_step(1); import os; os._exit(0)\n"
+                % (os.path.join(ROOT, "examples"), d, sock))
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                           timeout=300, env=env)
+        self.assertEqual(r.returncode, 0, r.stderr[-3000:])
+        code2 = code.replace("opt.step(); m.slidedp.rank.wait_step(1); import os; os._exit(0)",
+                             "pass")
+        r = subprocess.run([sys.executable, "-c", code2], capture_output=True, text=True,
+                           timeout=300, env=env)
+        self.assertNotEqual(r.returncode, 0)
+        self.assertIn("copy of the resident layers", r.stderr[-3000:])
+        self.assertIn("--resume", r.stderr[-3000:])
 
     def test_activation_offload(self):
         """offload_ratio: the saved activations of a fraction of the decoder layers go to host

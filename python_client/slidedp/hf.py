@@ -44,6 +44,7 @@ import ctypes
 import logging
 import math
 import os
+import threading
 import time
 import weakref
 
@@ -355,6 +356,14 @@ class StreamedRuntime:
         self.model_config = model.config
         # offload_ratio > 0: the saved activations of these decoder layers go to host memory.
         self.offload = settings.get("offload")
+        # Resident layers in hostd's checkpoints: the version their state is at, and rank 0's
+        # upload (a snapshot on the device, copied out on a background thread) of the version
+        # hostd asks for.
+        self.resident_version = rank.next_step - 1
+        self.sync_thread = None
+        self.sync_started = 0  # the version of the last upload begun
+        self.sync_error = None
+        self.snapshot_s = 0.0  # this step's time taking a snapshot (on the training thread)
 
     # ---- parameters in and out of the window ----
     def _version(self):
@@ -658,7 +667,19 @@ class StreamedRuntime:
             yield
 
     # ---- resident layers (nondecoder="resident") ----
-    def make_resident(self, layer, fp32, compute_dtype, device):
+    def make_resident(self, layer, fp32, compute_dtype, device, from_hostd=False):
+        if from_hostd:
+            # A resumed job: hostd's copy (master, m, v) is the job's state at this version.
+            parts = []
+            for part in range(3):
+                buf = torch.empty(layer.numel, dtype=torch.float32)
+                self.rank.read_client_layer(layer.index, part, 0, buf.data_ptr(), layer.numel)
+                parts.append(buf.to(device))
+                del buf
+            layer.master, layer.m, layer.v = parts
+            layer.flat = layer.master.to(torch.bfloat16).to(compute_dtype)
+            self._materialize(layer)
+            return
         if fp32 is None:  # hostd's BF16 copy (meta model)
             # Straight from hostd's mapping to the device: no host copy.
             ptr, nbytes = self.rank.client_layer_view(layer.index)
@@ -672,6 +693,93 @@ class StreamedRuntime:
         # The compute copy holds the master rounded to BF16, as hostd's streamed layers do.
         layer.flat = layer.master.to(torch.bfloat16).to(compute_dtype)
         self._materialize(layer)
+
+    def _resident_layers(self):
+        return [l for l in self.layers.values() if l.resident]
+
+    def _maybe_sync(self):
+        """Rank 0 uploads the resident layers when hostd asks (a checkpoint) for the version
+        they hold now."""
+        if self.rank.rank != 0 or not self._resident_layers():
+            return
+        want = self.rank.client_sync_step()
+        if want != 0 and want == self.resident_version and want != self.sync_started:
+            self._start_upload(want)
+
+    def _start_upload(self, version, wait=False):
+        """Snapshots the resident layers (a device copy, ordered after their last update on
+        the current stream) and uploads it to hostd on a background thread."""
+        self._join_upload()
+        res = self._resident_layers()
+        t0 = time.perf_counter()
+        dev = res[0].master.device
+        try:
+            snap = [(l.index, l.master.clone(), l.m.clone(), l.v.clone()) for l in res]
+        except torch.OutOfMemoryError:
+            # No room for a copy: upload from the live tensors before the next update.
+            log.warning("no device memory for a snapshot of the resident layers; uploading "
+                        "them before training goes on")
+            snap, wait = [(l.index, l.master, l.m, l.v) for l in res], True
+        event = None
+        if dev.type == "cuda":
+            event = torch.cuda.Event()
+            event.record()
+        self.sync_started = version
+        self.sync_thread = threading.Thread(target=self._upload, args=(version, snap, event),
+                                            name="slidedp-upload", daemon=True)
+        self.sync_thread.start()
+        if wait:
+            self._join_upload()
+        self.snapshot_s += time.perf_counter() - t0
+
+    def _upload(self, version, snap, event):
+        try:
+            t0 = time.perf_counter()
+            nbytes = 0
+            if event is not None:
+                event.synchronize()
+            cuda = snap[0][1].device.type == "cuda"
+            piece = 1 << 22  # elements per device-to-host copy
+            if cuda:
+                staging = torch.empty(piece, dtype=torch.float32, pin_memory=True)
+                stream = torch.cuda.Stream(snap[0][1].device)
+            for idx, *parts in snap:
+                for part, t in enumerate(parts):
+                    t = t.reshape(-1)
+                    n = t.numel()
+                    for off in range(0, n, piece):
+                        c = min(piece, n - off)
+                        if cuda:
+                            with torch.cuda.stream(stream):
+                                staging[:c].copy_(t[off:off + c], non_blocking=True)
+                            stream.synchronize()
+                            ptr = staging.data_ptr()
+                        else:
+                            ptr = t.data_ptr() + off * 4
+                        self.rank.upload_client_layer(version, idx, part, off, ptr, c)
+                        nbytes += c * 4
+            del snap
+            log.info("rank 0 uploaded its resident layers at version %d to hostd: %.2f GB in "
+                     "%.2f s", version, nbytes / 1e9, time.perf_counter() - t0)
+        except Exception as e:  # noqa: BLE001 - reported at the next join
+            self.sync_error = e
+            log.error("uploading the resident layers at version %d failed: %s", version, e)
+
+    def _upload_final(self):
+        """Rank 0 leaves its resident layers' final state in hostd, so that hostd's final
+        checkpoint (a clean stop), ExportHF and a later resume include them."""
+        if self.rank.rank != 0 or not self._resident_layers() or \
+                self.resident_version == self.sync_started:
+            return
+        self._start_upload(self.resident_version, wait=True)
+        if self.sync_error is not None and "ALREADY_EXISTS" not in str(self.sync_error):
+            log.warning("hostd's copy of the resident layers stays at an older version: %s",
+                        self.sync_error)
+
+    def _join_upload(self):
+        if self.sync_thread is not None:
+            self.sync_thread.join()
+            self.sync_thread = None
 
     def _resident_update(self):
         """AdamW of the resident layers on the device, with hostd's settings for this step."""
@@ -723,7 +831,10 @@ class StreamedRuntime:
             raise SlideDPError(9, f"opt.step() after {self.micro} complete backward passes; "
                                   f"accumulation_steps={accum} (layers without a pushed gradient: "
                                   f"{missing[:4]}{'...' if len(missing) > 4 else ''})")
+        self._maybe_sync()  # a checkpoint of the version before this step's update
         resident_s = self._resident_update()
+        self.resident_version = self.step
+        self._maybe_sync()  # a checkpoint of this step's version
         t0 = time.perf_counter()
         self.backend.end_step()
         push_wait = time.perf_counter() - t0
@@ -742,6 +853,7 @@ class StreamedRuntime:
             "param_fetch_waits": self.fetch_waits,
             "step_begin_wait_s": self.begin_wait, "push_wait_s": push_wait,
             "resident_update_s": resident_s,
+            "resident_snapshot_s": self.snapshot_s,  # rank 0, for a checkpoint of hostd's
             "resident_updates_skipped": self.resident_skipped,  # non-finite, since attach
             "h2d_bytes": c["h2d_bytes"] - self.counters0["h2d_bytes"],
             "d2h_bytes": c["d2h_bytes"] - self.counters0["d2h_bytes"],
@@ -760,6 +872,7 @@ class StreamedRuntime:
         self.tokens = 0
         self.fetch_wait = self.begin_wait = 0.0
         self.fetch_waits = []
+        self.snapshot_s = 0.0
         log.info("step %d: %.3f s, %.0f tok/s, %.1f TFLOPS/GPU, param wait %.3f+%.3f s, "
                  "begin wait %.3f s, push wait %.3f s", stats["step"], dt, stats["tokens_per_s"],
                  stats["model_tflops_per_gpu"], stats["param_fetch_wait_s"], slot_wait,
@@ -800,7 +913,9 @@ class StreamedRuntime:
             if self.step is None and self.next_step > self.rank.next_step:
                 # Detaching before the last step's updates are applied would abort it.
                 self.rank.wait_step(self.next_step - 1)
+                self._upload_final()
         finally:
+            self._join_upload()
             self.backend.close()
             self.rank.detach()
 
@@ -884,8 +999,11 @@ def attach(model, hostd="unix:///run/slidedp/hostd.sock", *, rank=None, world_si
     compute device and are updated there (FP32 master and moments on the device, AdamW with
     hostd's settings and LR schedule; with several ranks their gradients are all-reduced over
     `process_group`, default the initialized one, else one made from torchrun's environment);
-    hostd does not update them (client_updated_layers), so its copy of them stays at the initial
-    weights and fetch_state_dict() returns the device copy. Needs a fresh job. "host": streamed
+    hostd does not update them (client_updated_layers); rank 0 uploads their state (master, m,
+    v) to hostd when a checkpoint asks for it (a device snapshot, copied out on a background
+    thread) and when it closes, so hostd's checkpoints, its final checkpoint and ExportHF after
+    the close include them, and a job resumed from a checkpoint (hostd --resume) reads them back
+    from hostd. fetch_state_dict() returns the device copy. "host": streamed
     and updated by hostd like the decoder layers; their update is the last of the step, and the
     next forward starts by waiting for it. "auto": "resident" on CUDA with one rank or an
     initialized process group and a fresh job, else "host". See README (step-boundary drain).
@@ -961,10 +1079,12 @@ def attach(model, hostd="unix:///run/slidedp/hostd.sock", *, rank=None, world_si
             raise SlideDPError(9, f"world_size: this job runs {world_size} ranks "
                                   f"(WORLD_SIZE/process group) but hostd's job expects "
                                   f"{rh.world_size}; start hostd with --world_size {world_size}")
-        if resident and rh.next_step != 1:
-            raise SlideDPError(9, f"nondecoder='resident': hostd's job is at step {rh.next_step}; "
-                                  "resident layers start from a fresh job (their optimizer state "
-                                  "would be lost). Pass nondecoder='host' to resume this job")
+        if resident and rh.next_step != 1 and not rh.client_layers_current():
+            raise SlideDPError(9, f"nondecoder='resident': hostd's job is at step "
+                                  f"{rh.next_step - 1} but its copy of the resident layers "
+                                  "(embeddings, norm, lm_head) is older: the ranks that trained "
+                                  "them held their state. Restart hostd from a checkpoint "
+                                  "(--resume DIR) to go on from it")
         pg = process_group
         if resident and rh.world_size > 1 and pg is None:
             if not pg_ready:
@@ -1055,7 +1175,7 @@ def _attach(model, base, rh, device, mhash, s):
     own_fp32 = {}
     for idx in s["resident"]:
         layers[idx].resident = True
-        if not meta:
+        if not meta and rh.next_step == 1:
             # Straight to the compute device: no host copy of embeddings in FP32.
             own_fp32[idx] = torch.cat([p.detach().reshape(-1).to(device, torch.float32)
                                        for p, _ in layers[idx].params])
@@ -1119,7 +1239,8 @@ def _attach(model, base, rh, device, mhash, s):
     if sums is not None:
         _verify_init(rt, layers, sums)
     for idx in sorted(s["resident"]):
-        rt.make_resident(layers[idx], own_fp32.get(idx), compute_dtype, device)
+        rt.make_resident(layers[idx], own_fp32.get(idx), compute_dtype, device,
+                         from_hostd=rh.next_step != 1)
     model.slidedp = rt
     # Route the model's forward through the saved-tensor hooks (window views become tokens).
     orig_forward = model.forward

@@ -138,6 +138,37 @@ class RankHandle:
         check(self.lib, self.lib.slidedp_rank_wait_step(self.h, step, timeout_ms),
               f"waiting for step {step}")
 
+    # ---- layers the ranks update themselves (client_updated_layers) ----
+    def client_sync_step(self):
+        """The version hostd asks rank 0 to upload the client-updated layers at (0: none)."""
+        v = ctypes.c_uint64()
+        check(self.lib, self.lib.slidedp_rank_client_sync_step(self.h, ctypes.byref(v)),
+              "client sync step")
+        return v.value
+
+    def client_layers_current(self):
+        """hostd's copy of the client-updated layers was the job's state at attach."""
+        v = ctypes.c_int()
+        check(self.lib, self.lib.slidedp_rank_client_layers_current(self.h, ctypes.byref(v)),
+              "client layers current")
+        return bool(v.value)
+
+    def upload_client_layer(self, step, layer, part, offset, ptr, count):
+        """FP32 host memory at ptr: `count` elements of part (0 master, 1 m, 2 v) from offset.
+        True once hostd holds every client-updated layer at `step`."""
+        done = ctypes.c_int()
+        check(self.lib, self.lib.slidedp_rank_upload_client_layer(
+            self.h, step, layer, part, offset, ptr, count, ctypes.byref(done)),
+            f"uploading layer {layer} (part {part}) at version {step}")
+        return bool(done.value)
+
+    def read_client_layer(self, layer, part, offset, ptr, count):
+        version = ctypes.c_uint64()
+        check(self.lib, self.lib.slidedp_rank_read_client_layer(
+            self.h, layer, part, offset, ptr, count, ctypes.byref(version)),
+            f"reading hostd's copy of layer {layer} (part {part})")
+        return version.value
+
     def detach(self):
         if self.h:
             h, self.h = self.h, None
