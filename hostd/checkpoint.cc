@@ -210,6 +210,8 @@ absl::Status Checkpointer::Start(const std::string& dir, uint64_t step, Checkpoi
   }
   snapshots_.clear();
   pool_used_ = 0;
+  pool_bytes_ = options_.snapshot_pool_at_start ? options_.snapshot_pool_at_start()
+                                                : options_.snapshot_pool_bytes;
   wanted_layer_ = -1;
   started_ = Clock::now();
   results_.erase(step);
@@ -308,8 +310,7 @@ void Checkpointer::BeforeLayerWrite(uint32_t layer, uint64_t step) {
   const auto t0 = Clock::now();
   bool waited = false;
   while (active_ && step_ < step && busy()) {
-    if (layers_[layer] == LayerState::kPending &&
-        pool_used_ + bytes <= options_.snapshot_pool_bytes) {
+    if (layers_[layer] == LayerState::kPending && pool_used_ + bytes <= pool_bytes_) {
       layers_[layer] = LayerState::kSnapshotted;
       pool_used_ += bytes;
       stats_.pool_high_water_bytes = std::max(stats_.pool_high_water_bytes, pool_used_);
@@ -412,7 +413,7 @@ void Checkpointer::RunCheckpoint(std::unique_lock<std::mutex>& lock) {
     if (pick >= 0) {
       const uint32_t l = static_cast<uint32_t>(pick);
       const uint64_t n = state_->layers()[l].numel;
-      if (pool_used_ + 3 * n * sizeof(float) <= options_.snapshot_pool_bytes) {
+      if (pool_used_ + 3 * n * sizeof(float) <= pool_bytes_) {
         layers_[l] = LayerState::kCopying;
         pool_used_ += 3 * n * sizeof(float);
         stats_.pool_high_water_bytes = std::max(stats_.pool_high_water_bytes, pool_used_);

@@ -31,6 +31,7 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -96,6 +97,9 @@ class Checkpointer {
   struct Options {
     uint32_t keep_last = 3;                     // 0: keep every checkpoint
     uint64_t snapshot_pool_bytes = 1ull << 30;  // room for copies of layers
+    // When set, each checkpoint's room is what this returns at its Start (e.g. from the
+    // MemAvailable of that moment) instead of snapshot_pool_bytes.
+    std::function<uint64_t()> snapshot_pool_at_start;
     // How long a checkpoint waits for ClientLayerReady of the layers it awaits from the ranks.
     int64_t client_upload_timeout_ms = 300000;
   };
@@ -170,6 +174,7 @@ class Checkpointer {
   std::vector<LayerState> layers_;
   std::map<uint32_t, Snapshot> snapshots_;
   uint64_t pool_used_ = 0;
+  uint64_t pool_bytes_ = 0;    // the checkpoint in flight's room for copies
   int64_t wanted_layer_ = -1;  // the layer an update waits for
   std::chrono::steady_clock::time_point started_;
   // Results by step, for Wait.

@@ -547,7 +547,9 @@ std::vector<KeyDescriptor> BuildKeys() {
       "checkpoint.snapshot_pool_bytes", ckpt,
       "Host memory for copies of layers whose next update starts before the checkpoint has "
       "written them; when it is full, updates wait (the checkpoint stall). 0: auto, the "
-      "state's size when MemAvailable allows, else half of MemAvailable.",
+      "state's size when MemAvailable at the checkpoint's start allows (keeping an eighth of it, "
+      "at "
+      "least 4 GiB, free), else that much.",
       [](const HostdConfig& c) { return c.checkpoint.snapshot_pool_bytes; },
       [](HostdConfig& c, uint64_t v) { c.checkpoint.snapshot_pool_bytes = v; }));
   k.push_back(StringFnKey(

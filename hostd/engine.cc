@@ -115,9 +115,9 @@ int64_t UnixMs() {
 
 // How long an RPC with wait blocks for a checkpoint to commit.
 constexpr int64_t kCheckpointWaitMs = int64_t{6} * 3600 * 1000;
-// Elements per UploadClientLayer / ReadClientLayer message (1 MiB of FP32: under gRPC's
-// default 4 MiB message limit).
-constexpr uint64_t kClientLayerChunkElements = uint64_t{1} << 18;
+// Elements per UploadClientLayer / ReadClientLayer message (16 MiB of FP32; hostd's server and
+// rankclient's channel accept 20 MiB messages).
+constexpr uint64_t kClientLayerChunkElements = uint64_t{1} << 22;
 
 }  // namespace
 
@@ -314,7 +314,7 @@ absl::Status Engine::CheckCheckpointableLocked(uint64_t version) const {
                                           : std::string("of an unknown version"),
                      ", not ", version,
                      "; rank 0 uploads them when a checkpoint asks and when it closes "
-                     "(python_client: opt.close() / the end of the with-block)"));
+                     "(python_client: opt.close())"));
   }
   return absl::OkStatus();
 }
@@ -335,8 +335,16 @@ void Engine::RequestClientSyncLocked(uint64_t step) {
   }
 }
 
+void Engine::ReconcileClientSyncLocked() {
+  // A request outlives no checkpoint: one that committed or failed (e.g. timed out) withdraws it.
+  if (client_sync_step_ != 0 && checkpointer_->in_flight_step() != client_sync_step_) {
+    RequestClientSyncLocked(0);
+  }
+}
+
 absl::Status Engine::StartCheckpointLocked(const std::string& dir, uint64_t step) {
   RETURN_IF_ERROR(CheckNotTornLocked());
+  ReconcileClientSyncLocked();
   std::vector<uint32_t> awaiting;
   if (!client_layers_.empty() && client_copy_version_ != step) awaiting = client_layers_;
   RETURN_IF_ERROR(checkpointer_->Start(dir, step, CheckpointDescriptionLocked(), awaiting));
@@ -372,6 +380,7 @@ absl::StatusOr<slidedp::v1::UploadClientLayerResponse> Engine::UploadClientLayer
     return absl::InvalidArgumentError(
         absl::StrCat("part: expected 0 (master), 1 (m) or 2 (v), got ", r.part()));
   }
+  ReconcileClientSyncLocked();
   if (r.data().size() % sizeof(float) != 0 || r.data().empty() ||
       r.data().size() > kClientLayerChunkElements * sizeof(float)) {
     return absl::InvalidArgumentError(absl::StrCat("data: expected 1..", kClientLayerChunkElements,
@@ -718,10 +727,25 @@ absl::Status Engine::CreateJobLocked(slidedp::v1::JobSpec spec, LoadedModel mode
   Checkpointer::Options co;
   co.keep_last = config_.checkpoint.keep_last;
   co.snapshot_pool_bytes = config_.checkpoint.snapshot_pool_bytes;
+  co.client_upload_timeout_ms =
+      static_cast<int64_t>(config_.checkpoint.client_upload_timeout_s) * 1000;
   if (co.snapshot_pool_bytes == 0) {
+    // Auto: room for the whole state when the host has it when the checkpoint starts (then no
+    // update waits for the disk), keeping an eighth of MemAvailable (at least 4 GiB) free.
     const uint64_t state_bytes = 3 * sizeof(float) * state_->total_params();
-    const uint64_t avail = MemAvailableBytes();
-    co.snapshot_pool_bytes = avail == 0 ? state_bytes : std::min(state_bytes, avail / 2);
+    co.snapshot_pool_at_start = [state_bytes] {
+      const uint64_t avail = MemAvailableBytes();
+      if (avail == 0) return state_bytes;
+      const uint64_t reserve = std::max<uint64_t>(uint64_t{4} << 30, avail / 8);
+      const uint64_t room = avail > reserve ? avail - reserve : 0;
+      const uint64_t pool = std::min(state_bytes, room);
+      spdlog::info(
+          "checkpoint snapshot pool: {:.2f} GiB (the state: {:.2f} GiB; MemAvailable "
+          "{:.2f} GiB){}",
+          pool / 1073741824.0, state_bytes / 1073741824.0, avail / 1073741824.0,
+          pool < state_bytes ? "; updates may wait for the disk (the stall)" : "");
+      return pool;
+    };
   }
   checkpointer_ = std::make_unique<Checkpointer>(state_.get(), pool_.get(), co);
   worker_->SetBeforeWriteHook([cp = checkpointer_.get()](uint32_t layer, uint64_t step) {
@@ -1234,6 +1258,7 @@ void Engine::OnLayerDone(const LayerUpdateResult& r) {
     shm::ControlBlock& cb = state_->control();
     shm::Atomic(cb.next_step).store(next_step_, std::memory_order_release);
     shm::Atomic(cb.step_state).store(static_cast<uint64_t>(shm::StepState::kIdle));
+    ReconcileClientSyncLocked();
     const uint64_t every = config_.checkpoint.every_steps;
     if (every > 0 && next_step_ > 1 && (next_step_ - 1) % every == 0) {
       // Every layer is at the completed step and none has begun the next: the capture point.

@@ -16,6 +16,7 @@
 
 #include "common/version.h"
 #include "gtest/gtest.h"
+#include "hostd/checkpoint_format.h"
 #include "hostd/service.h"
 #include "hostd/test_util.h"
 #include "kernels/cpu/bf16.h"
@@ -416,8 +417,157 @@ TEST_F(EngineTest, ClientUpdatedLayersCompleteStepsWithoutTheirGradients) {
   }
   grpc::Status stale = attach(0, {}, &bad);
   EXPECT_EQ(stale.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
-  EXPECT_NE(stale.error_message().find("stale"), std::string::npos) << stale.error_message();
+  EXPECT_NE(stale.error_message().find("at version 0, not the job's step 1"), std::string::npos)
+      << stale.error_message();
   EXPECT_TRUE(attach(0, {0, last}, &r0).ok());
+  EXPECT_FALSE(r0.client_layers_current());
+}
+
+TEST_F(EngineTest, CheckpointAwaitsTheClientLayersUploadedByRankZero) {
+  config_.checkpoint.dir = (dir_ / "ck").string();
+  config_.checkpoint.client_upload_timeout_s = 3;
+  Start();
+  TrainingState* s = engine_->state();
+  const uint32_t n = s->num_layers();
+  const uint32_t last = n - 1;
+  v1::AttachRankResponse r0;
+  {
+    grpc::ClientContext ctx;
+    v1::AttachRankRequest req;
+    req.set_rank(0);
+    req.set_manifest_hash(Hash());
+    req.add_client_updated_layers(0);
+    req.add_client_updated_layers(last);
+    ASSERT_TRUE(stub_->AttachRank(&ctx, req, &r0).ok());
+  }
+  EXPECT_TRUE(r0.client_layers_current());  // a fresh job: hostd's copy is the initial state
+  std::vector<std::vector<uint16_t>> grads;
+  for (const LayerInfo& l : s->layers()) grads.emplace_back(l.numel, kernels::RoundToBf16(1e-2f));
+  auto run_step = [&](uint64_t step) {
+    for (uint32_t l = last; l-- > 1;) {
+      ASSERT_TRUE(engine_
+                      ->SubmitGradient(l, step,
+                                       {grads[l].data(), kernels::GradType::kBf16, grads[l].size()})
+                      .ok());
+    }
+    for (int i = 0; i < 500 && s->committed_version(1) < step; ++i) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+    ASSERT_TRUE(engine_->WaitLayerVersion(last, step, std::chrono::seconds(5)).ok());
+  };
+  run_step(1);
+  auto upload = [&](uint64_t step, uint32_t layer, uint32_t part, uint64_t offset,
+                    const std::vector<float>& data, const std::string& token,
+                    v1::UploadClientLayerResponse* resp) {
+    grpc::ClientContext ctx;
+    v1::UploadClientLayerRequest req;
+    req.set_rank(0);
+    req.set_attach_token(token);
+    req.set_step(step);
+    req.set_layer(layer);
+    req.set_part(part);
+    req.set_offset(offset);
+    req.set_data(reinterpret_cast<const char*>(data.data()), data.size() * sizeof(float));
+    return stub_->UploadClientLayer(&ctx, req, resp);
+  };
+  // The ranks' state of the client layers at version 1 (a pattern per layer and part).
+  auto pattern = [&](uint32_t layer, uint32_t part) {
+    std::vector<float> v(s->layers()[layer].numel);
+    for (size_t i = 0; i < v.size(); ++i) v[i] = 0.001f * (i % 97) + layer + 10.0f * part;
+    return v;
+  };
+  v1::CheckpointResponse cr;
+  {
+    grpc::ClientContext ctx;
+    v1::CheckpointRequest req;
+    ASSERT_TRUE(stub_->Checkpoint(&ctx, req, &cr).ok());
+  }
+  EXPECT_EQ(cr.step(), 1u);
+  EXPECT_EQ(shm::Atomic(s->control().client_sync_step).load(), 1u);
+  const std::string tok = r0.attach_token();
+  v1::UploadClientLayerResponse ur;
+  std::vector<float> m0 = pattern(0, 0);
+  EXPECT_EQ(upload(1, 0, 3, 0, m0, tok, &ur).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_EQ(upload(2, 0, 0, 0, m0, tok, &ur).error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+  EXPECT_EQ(upload(1, 1, 0, 0, pattern(1, 0), tok, &ur).error_code(),
+            grpc::StatusCode::FAILED_PRECONDITION);
+  EXPECT_EQ(upload(1, 0, 0, 0, m0, "forged", &ur).error_code(),
+            grpc::StatusCode::PERMISSION_DENIED);
+  EXPECT_EQ(upload(1, 0, 0, 8, {1.0f}, tok, &ur).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_EQ(upload(1, 0, 0, m0.size(), {1.0f}, tok, &ur).error_code(),
+            grpc::StatusCode::OUT_OF_RANGE);
+  int complete = 0;
+  for (uint32_t layer : {0u, last}) {
+    for (uint32_t part = 0; part < 3; ++part) {
+      const std::vector<float> v = pattern(layer, part);
+      const size_t half = v.size() / 2;  // two pieces, in order
+      ASSERT_TRUE(
+          upload(1, layer, part, 0, std::vector<float>(v.begin(), v.begin() + half), tok, &ur)
+              .ok());
+      EXPECT_FALSE(ur.layer_complete());
+      ASSERT_TRUE(
+          upload(1, layer, part, half, std::vector<float>(v.begin() + half, v.end()), tok, &ur)
+              .ok());
+      complete += ur.all_complete() ? 1 : 0;
+    }
+  }
+  EXPECT_EQ(complete, 1);
+  EXPECT_TRUE(ur.all_complete());
+  EXPECT_EQ(shm::Atomic(s->control().client_sync_step).load(), 0u);
+  for (int i = 0;
+       i < 300 && !std::filesystem::exists(dir_ / "ck" / "step-000000000001" / kCheckpointMarker);
+       ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  ASSERT_TRUE(std::filesystem::exists(dir_ / "ck" / "step-000000000001" / kCheckpointMarker));
+  for (uint32_t layer : {0u, last}) {
+    const std::vector<float> m = pattern(layer, 0), v = pattern(layer, 2);
+    EXPECT_EQ(std::memcmp(s->master(layer), m.data(), m.size() * 4), 0) << layer;
+    EXPECT_EQ(std::memcmp(s->exp_avg_sq(layer), v.data(), v.size() * 4), 0) << layer;
+    EXPECT_EQ(s->params(layer)[5], kernels::RoundToBf16(m[5])) << layer;
+    // Read back while hostd's copy is the job's state (between steps, at version 1).
+    grpc::ClientContext ctx;
+    v1::ReadClientLayerRequest req;
+    req.set_layer(layer);
+    req.set_part(2);
+    req.set_offset(3);
+    req.set_count(4);
+    v1::ReadClientLayerResponse rr;
+    ASSERT_TRUE(stub_->ReadClientLayer(&ctx, req, &rr).ok());
+    EXPECT_EQ(rr.version(), 1u);
+    ASSERT_EQ(rr.data().size(), 16u);
+    EXPECT_EQ(std::memcmp(rr.data().data(), v.data() + 3, 16), 0) << layer;
+  }
+  // Step 2: hostd's copy is older than the job now; a checkpoint nobody uploads for fails.
+  run_step(2);
+  {
+    grpc::ClientContext ctx;
+    v1::ReadClientLayerRequest req;
+    req.set_layer(0);
+    req.set_count(1);
+    v1::ReadClientLayerResponse rr;
+    grpc::Status st = stub_->ReadClientLayer(&ctx, req, &rr);
+    EXPECT_EQ(st.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+    EXPECT_NE(st.error_message().find("at version 1 but the job is at step 2"), std::string::npos)
+        << st.error_message();
+  }
+  {
+    grpc::ClientContext ctx;
+    v1::CheckpointRequest req;
+    req.set_wait(true);
+    v1::CheckpointResponse done;
+    grpc::Status st = stub_->Checkpoint(&ctx, req, &done);
+    EXPECT_EQ(st.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED) << st.error_message();
+    EXPECT_NE(
+        st.error_message().find("did not upload its state of layers 0, " + std::to_string(last)),
+        std::string::npos)
+        << st.error_message();
+  }
+  EXPECT_FALSE(std::filesystem::exists(dir_ / "ck" / "step-000000000002"));
+  // The failed checkpoint's request is withdrawn: between steps, rank 0 may upload version 2.
+  std::vector<float> v0 = pattern(0, 0);
+  EXPECT_TRUE(upload(2, 0, 0, 0, v0, tok, &ur).ok());
+  EXPECT_EQ(shm::Atomic(s->control().client_sync_step).load(), 0u);
 }
 
 TEST_F(EngineTest, SessionEndAbortsRunningStepAndSealsVersions) {

@@ -30,6 +30,9 @@ grpc::Status ToGrpcStatus(const absl::Status& s) {
 
 namespace {
 
+// Largest request hostd accepts: UploadClientLayer pieces (16 MiB of FP32) plus framing.
+constexpr int kMaxMessageBytes = 20 << 20;
+
 template <typename Resp>
 grpc::Status Reply(absl::StatusOr<Resp> r, Resp* out) {
   if (!r.ok()) return ToGrpcStatus(r.status());
@@ -230,6 +233,8 @@ absl::StatusOr<std::unique_ptr<ControlServer>> ControlServer::Start(Engine* engi
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
+  // UploadClientLayer carries up to 16 MiB of layer state per message.
+  builder.SetMaxReceiveMessageSize(kMaxMessageBytes);
   if (!options.socket_path.empty()) {
     RETURN_IF_ERROR(PrepareSocketPath(options.socket_path));
     builder.AddListeningPort("unix:" + options.socket_path, grpc::InsecureServerCredentials());

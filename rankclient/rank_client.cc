@@ -136,7 +136,11 @@ absl::Status RankClient::Init() {
     target =
         absl::StartsWith(options_.socket, "unix:") ? options_.socket : "unix:" + options_.socket;
   }
-  session_->channel = grpc::CreateChannel(target, grpc::InsecureChannelCredentials());
+  grpc::ChannelArguments args;
+  // ReadClientLayer answers carry up to 16 MiB of layer state.
+  args.SetMaxReceiveMessageSize(20 << 20);
+  args.SetMaxSendMessageSize(20 << 20);
+  session_->channel = grpc::CreateCustomChannel(target, grpc::InsecureChannelCredentials(), args);
   session_->stub = v1::Control::NewStub(session_->channel);
   auto deadline = [&] {
     return std::chrono::system_clock::now() + std::chrono::milliseconds(options_.timeout_ms);
@@ -596,7 +600,7 @@ uint64_t RankClient::client_sync_step() const {
 }
 
 namespace {
-constexpr uint64_t kClientPieceElements = uint64_t{1} << 18;  // hostd's limit per message
+constexpr uint64_t kClientPieceElements = uint64_t{1} << 22;  // hostd's limit per message
 }  // namespace
 
 absl::StatusOr<bool> RankClient::UploadClientLayer(uint64_t step, uint32_t layer, uint32_t part,

@@ -306,6 +306,17 @@ class BadInputTableTest(unittest.TestCase):
                  "UpdateHyperParams",
                  pb((2, pb((11, 2), (12, float("nan")))), (3, "clip"), (3, "max_grad_norm")),
                  "INVALID_ARGUMENT", "max_grad_norm")
+        # The ranks' client-updated layers (this job has none).
+        self.rpc("UploadClientLayer: rank not attached", "UploadClientLayer",
+                 pb((2, 0), (3, "x"), (4, 1), (5, 0), (8, b"\0" * 4)), "FAILED_PRECONDITION",
+                 "rank 0 is not attached")
+        self.rpc("UploadClientLayer: wrong attach_token", "UploadClientLayer",
+                 pb((2, 1), (3, "forged"), (4, 1), (5, 0), (8, b"\0" * 4)), "PERMISSION_DENIED",
+                 "attach_token")
+        self.rpc("ReadClientLayer: a layer hostd updates", "ReadClientLayer",
+                 pb((2, 1), (5, 4)), "FAILED_PRECONDITION", "layer: 1 is not updated by the ranks")
+        self.rpc("ReadClientLayer: unknown job_id", "ReadClientLayer", pb((1, "nope"), (2, 0)),
+                 "NOT_FOUND", "job_id")
         # Queries and the wire itself.
         self.rpc("ListLayers: unknown job_id", "ListLayers", pb((1, "nope")), "NOT_FOUND",
                  "job_id")

@@ -739,7 +739,7 @@ class StreamedRuntime:
             if event is not None:
                 event.synchronize()
             cuda = snap[0][1].device.type == "cuda"
-            piece = 1 << 22  # elements per device-to-host copy
+            piece = 1 << 22  # elements per device-to-host copy (one hostd message)
             if cuda:
                 staging = torch.empty(piece, dtype=torch.float32, pin_memory=True)
                 stream = torch.cuda.Stream(snap[0][1].device)
