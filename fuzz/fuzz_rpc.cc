@@ -7,7 +7,7 @@
 //
 // Each input gets a fresh Engine (model "none", world size 2) and is a sequence of records:
 //   [method (1 byte)] [flags (1 byte)] [length (1 byte)] [length bytes of serialized request]
-// method picks one of the 15 unary RPCs or a session call (OpenSession, heartbeat, SessionClosed,
+// method picks one of the 17 unary RPCs or a session call (OpenSession, heartbeat, SessionClosed,
 // NextSessionEvent). Unless the input begins with a CreateJob record the job is created first
 // from a built-in two-layer manifest. flags patch fields the fuzzer cannot guess: bit 0 the
 // job's manifest_hash, bit 1 the attach_token issued to the request's rank, bit 2 the step to
@@ -119,7 +119,7 @@ class Harness {
     const uint64_t before = engine_->state() ? engine_->state()->Checksum() : 0;
     absl::Status s;
     const char* name = "";
-    switch (method % 18) {
+    switch (method % 20) {
       case 0:
         s = Call<v1::HandshakeRequest>(p, n, flags, "Handshake", &name,
                                        [&](auto& r) { return engine_->Handshake(r); });
@@ -233,6 +233,16 @@ class Harness {
         name = "SessionClosed";
         if (open_.erase(flags % kWorld)) engine_->SessionClosed(flags % kWorld, "fuzz");
         break;
+      case 18:
+        s = Call<v1::UploadClientLayerRequest>(
+            p, n, flags, "UploadClientLayer", &name,
+            [&](auto& r) { return engine_->UploadClientLayer(r).status(); });
+        break;
+      case 19:
+        s = Call<v1::ReadClientLayerRequest>(p, n, flags, "ReadClientLayer", &name, [&](auto& r) {
+          return engine_->ReadClientLayer(r).status();
+        });
+        break;
       case 17:
         name = "NextSessionEvent";
         if (open_.count(flags % kWorld)) {
@@ -294,7 +304,7 @@ extern "C" int LLVMFuzzerInitialize(int*, char***) {
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   using namespace slidedp::hostd;
   Harness h;
-  if (size == 0 || data[0] % 18 != 1) h.CreateDefaultJob();
+  if (size == 0 || data[0] % 20 != 1) h.CreateDefaultJob();
   size_t pos = 0;
   for (int records = 0; pos + 3 <= size && records < 64; ++records) {
     const uint8_t method = data[pos];

@@ -845,12 +845,13 @@ TEST(ConfigTest, KeyListAndEnvNames) {
                         "checkpoint.every_steps",
                         "checkpoint.keep_last",
                         "checkpoint.on_stop",
+                        "checkpoint.client_upload_timeout_s",
                         "checkpoint.snapshot_pool_bytes",
                         "checkpoint.resume",
                         "recovery_on_inconsistent"}) {
     EXPECT_NE(std::find(keys.begin(), keys.end(), k), keys.end()) << k;
   }
-  EXPECT_EQ(keys.size(), 43u);
+  EXPECT_EQ(keys.size(), 44u);
   EXPECT_EQ(ConfigEnvName("world_size"), "SLIDEDP_WORLD_SIZE");
   // A key of a TOML table: the dot becomes '_'.
   EXPECT_EQ(ConfigEnvName("metrics.listen"), "SLIDEDP_METRICS_LISTEN");

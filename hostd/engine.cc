@@ -369,7 +369,7 @@ absl::StatusOr<slidedp::v1::UploadClientLayerResponse> Engine::UploadClientLayer
         "got rank ",
         r.rank()));
   }
-  if (r.layer() >= state_->num_layers() || !client_updated_[r.layer()]) {
+  if (r.layer() >= client_updated_.size() || !client_updated_[r.layer()]) {
     return absl::FailedPreconditionError(
         absl::StrCat("layer: ", r.layer(),
                      " is not updated by the ranks; the client-updated "
@@ -475,7 +475,7 @@ absl::StatusOr<slidedp::v1::ReadClientLayerResponse> Engine::ReadClientLayer(
     const slidedp::v1::ReadClientLayerRequest& r) {
   absl::MutexLock lock(&mu_);
   RETURN_IF_ERROR(CheckJob(r.job_id()));
-  if (r.layer() >= state_->num_layers() || !client_updated_[r.layer()]) {
+  if (r.layer() >= client_updated_.size() || !client_updated_[r.layer()]) {
     return absl::FailedPreconditionError(
         absl::StrCat("layer: ", r.layer(),
                      " is not updated by the ranks; the client-updated "
