@@ -352,6 +352,19 @@ absl::Status Engine::StartCheckpointLocked(const std::string& dir, uint64_t step
   return absl::OkStatus();
 }
 
+absl::Status Engine::CheckClientLayerPartLocked(uint32_t layer, uint32_t part) const {
+  if (layer >= client_updated_.size() || !client_updated_[layer]) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "layer: ", layer, " is not updated by the ranks; the client-updated layers are ",
+        LayerList(client_layers_)));
+  }
+  if (part > 2) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("part: expected 0 (master), 1 (m) or 2 (v), got ", part));
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<slidedp::v1::UploadClientLayerResponse> Engine::UploadClientLayer(
     const slidedp::v1::UploadClientLayerRequest& r) {
   absl::MutexLock lock(&mu_);
@@ -369,17 +382,7 @@ absl::StatusOr<slidedp::v1::UploadClientLayerResponse> Engine::UploadClientLayer
         "got rank ",
         r.rank()));
   }
-  if (r.layer() >= client_updated_.size() || !client_updated_[r.layer()]) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("layer: ", r.layer(),
-                     " is not updated by the ranks; the client-updated "
-                     "layers are ",
-                     LayerList(client_layers_)));
-  }
-  if (r.part() > 2) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("part: expected 0 (master), 1 (m) or 2 (v), got ", r.part()));
-  }
+  RETURN_IF_ERROR(CheckClientLayerPartLocked(r.layer(), r.part()));
   ReconcileClientSyncLocked();
   if (r.data().size() % sizeof(float) != 0 || r.data().empty() ||
       r.data().size() > kClientLayerChunkElements * sizeof(float)) {
@@ -475,17 +478,7 @@ absl::StatusOr<slidedp::v1::ReadClientLayerResponse> Engine::ReadClientLayer(
     const slidedp::v1::ReadClientLayerRequest& r) {
   absl::MutexLock lock(&mu_);
   RETURN_IF_ERROR(CheckJob(r.job_id()));
-  if (r.layer() >= client_updated_.size() || !client_updated_[r.layer()]) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("layer: ", r.layer(),
-                     " is not updated by the ranks; the client-updated "
-                     "layers are ",
-                     LayerList(client_layers_)));
-  }
-  if (r.part() > 2) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("part: expected 0 (master), 1 (m) or 2 (v), got ", r.part()));
-  }
+  RETURN_IF_ERROR(CheckClientLayerPartLocked(r.layer(), r.part()));
   const uint64_t numel = state_->layers()[r.layer()].numel;
   if (r.count() == 0 || r.count() > kClientLayerChunkElements) {
     return absl::InvalidArgumentError(

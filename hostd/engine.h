@@ -184,6 +184,9 @@ class Engine {
   bool ClientCopyCurrentLocked() const ABSL_SHARED_LOCKS_REQUIRED(mu_);
   // Asks rank 0 for the client-updated layers at `step` (0: withdraws the request).
   void RequestClientSyncLocked(uint64_t step) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // FAILED_PRECONDITION for a layer the ranks do not update, INVALID_ARGUMENT for a part > 2.
+  absl::Status CheckClientLayerPartLocked(uint32_t layer, uint32_t part) const
+      ABSL_SHARED_LOCKS_REQUIRED(mu_);
   // Withdraws the request once its checkpoint is no longer in flight (committed or failed).
   void ReconcileClientSyncLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Writes the final checkpoint of a clean stop (checkpoint.on_stop); the worker has stopped.
