@@ -264,13 +264,14 @@ class PythonClientTest(unittest.TestCase):
         import torch
         d = self.prepare("ckres", "qwen3-tiny")
         res = ["--checkpointing", "full", "--nondecoder", "resident"]
-        sock, _, _ = self.start_hostd(d, 1, "u")
-        full, full_dump = self.run_ranks(sock, d, 1, "u", res, steps=6)
+        # Tags unique in this file: an instance name of another test would re-adopt its state.
+        sock, _, _ = self.start_hostd(d, 1, "ru")
+        full, full_dump = self.run_ranks(sock, d, 1, "ru", res, steps=6)
         ck = os.path.join(self.tmp, "ck")
-        sock, hostd, log = self.start_hostd(d, 1, "c", ["--checkpoint.dir", ck,
+        sock, hostd, log = self.start_hostd(d, 1, "rc", ["--checkpoint.dir", ck,
                                                         "--checkpoint.every_steps", "3",
                                                         "--checkpoint.keep_last", "5"])
-        part, _ = self.run_ranks(sock, d, 1, "c", res, steps=5)
+        part, _ = self.run_ranks(sock, d, 1, "rc", res, steps=5)
         hostd.send_signal(signal.SIGTERM)
         self.assertEqual(hostd.wait(60), 0)
         log.seek(0)
@@ -295,7 +296,7 @@ class PythonClientTest(unittest.TestCase):
             for n, t in full_final.items():
                 self.assertTrue(torch.equal(final[n], t), f"{tag}: {n}")
         # Without the upload hostd's copy is stale: a resident attach to the job is refused.
-        sock, hostd, _ = self.start_hostd(d, 1, "s")
+        sock, hostd, _ = self.start_hostd(d, 1, "rs")
         env = dict(os.environ, SLIDEDP_RANK_LIB=LIB, OMP_NUM_THREADS="1",
                    PYTHONPATH=os.path.join(ROOT, "python_client"))
         code = ("import sys, torch, slidedp; sys.path.insert(0, %r); import train_hf\n"
