@@ -58,7 +58,18 @@ absl::Status ReadExact(int fd, void* dst, size_t n, const std::string& path, XXH
 }  // namespace
 
 absl::StatusOr<CheckpointInfo> FindLatestCheckpoint(const std::string& path) {
-  return FindLatestCheckpointInfo(path);
+  absl::StatusOr<CheckpointInfo> info = FindLatestCheckpointInfo(path);
+  if (!info.ok() || info->path == path) return info;
+  // Say which newer step directories were passed over and why (an interrupted write is
+  // expected after a crash; a marked one that fails its checks is not).
+  absl::StatusOr<std::vector<CheckpointListing>> all = ListCheckpoints(path, false);
+  if (all.ok()) {
+    for (const CheckpointListing& l : *all) {  // newest first
+      if (l.valid) break;
+      spdlog::warn("checkpoint {}: newer than {} but skipped: {}", l.path, info->path, l.reason);
+    }
+  }
+  return info;
 }
 
 absl::Status CheckCheckpointManifest(const CheckpointInfo& info,
