@@ -889,7 +889,12 @@ absl::StatusOr<slidedp::v1::AttachRankResponse> Engine::AttachRank(
                      " themselves; every rank of the job must send the same set"));
   }
   if (!any_attached && client_layers != client_layers_) {
-    if (client_layers_trained_ && !ClientCopyCurrentLocked()) {
+    if (running_step_ != 0) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("client_updated_layers: step ", running_step_,
+                       " is running; the set can change only between steps"));
+    }
+    if (!ClientCopyCurrentLocked()) {
       return absl::FailedPreconditionError(absl::StrCat(
           "client_updated_layers: the job's ranks updated layers ", LayerList(client_layers_),
           " themselves in earlier steps and hostd's copy of them is ",
@@ -899,13 +904,10 @@ absl::StatusOr<slidedp::v1::AttachRankResponse> Engine::AttachRank(
           "; attach with the same set (and the ranks' state of those layers), restart hostd "
           "from a checkpoint (--resume), or start a new job"));
     }
-    client_layers_trained_ = false;
-    if (running_step_ != 0) {
-      return absl::FailedPreconditionError(
-          absl::StrCat("client_updated_layers: step ", running_step_,
-                       " is running; the set can change only between steps"));
-    }
     client_layers_ = client_layers;
+    // hostd updated the newly listed layers up to now (or its copy of them was current): its
+    // copy is the job's state at the last completed step, unless unknown (a re-adopted job).
+    if (client_copy_version_) client_copy_version_ = next_step_ - 1;
     client_updated_.assign(state_->num_layers(), false);
     for (uint32_t l : client_layers_) client_updated_[l] = true;
     if (!client_layers_.empty()) {
@@ -1239,7 +1241,6 @@ void Engine::OnLayerDone(const LayerUpdateResult& r) {
     for (uint32_t l : client_layers_) {
       if (state_->committed_version(l) < running_step_) state_->PublishLayer(l, running_step_);
     }
-    if (!client_layers_.empty()) client_layers_trained_ = true;
     steps_completed_++;
     MarkCompletedLocked(running_step_);
     last_step_update_seconds_ = step_update_seconds_;
@@ -1737,7 +1738,7 @@ absl::StatusOr<slidedp::v1::ExportHFResponse> Engine::ExportHF(
     }
     if (ready.ok()) ready = CheckServing();
     if (ready.ok()) ready = CheckNotTornLocked();
-    if (ready.ok() && client_layers_trained_ && !ClientCopyCurrentLocked()) {
+    if (ready.ok() && !ClientCopyCurrentLocked()) {
       std::vector<std::string> names;
       for (uint32_t l : client_layers_) {
         names.push_back(absl::StrCat(l, " '", state_->layers()[l].name, "'"));

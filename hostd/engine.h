@@ -250,11 +250,10 @@ class Engine {
   // the other layers are done, and they are published at the step's version then (state untouched).
   std::vector<uint32_t> client_layers_ ABSL_GUARDED_BY(mu_);
   std::vector<bool> client_updated_ ABSL_GUARDED_BY(mu_);
-  // True once a step completed with client_layers_ non-empty: hostd's copy of those layers is
-  // then stale, and the set can no longer change (their state lives in the ranks).
-  bool client_layers_trained_ ABSL_GUARDED_BY(mu_) = false;
   // hostd's copy of the client-updated layers is the job's state at this version (the job's
   // start: fresh or resumed; or the last complete upload); nullopt: unknown (a re-adopted job).
+  // Once a step ran past it, the copy is stale and the set can no longer change (their state
+  // lives in the ranks): see ClientCopyCurrentLocked.
   std::optional<uint64_t> client_copy_version_ ABSL_GUARDED_BY(mu_);
   // The version rank 0 is asked to upload (0: none; mirrored in ControlBlock::client_sync_step).
   uint64_t client_sync_step_ ABSL_GUARDED_BY(mu_) = 0;

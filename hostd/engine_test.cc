@@ -496,6 +496,17 @@ TEST_F(EngineTest, CheckpointAwaitsTheClientLayersUploadedByRankZero) {
   EXPECT_EQ(upload(1, 0, 0, 8, {1.0f}, tok, &ur).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
   EXPECT_EQ(upload(1, 0, 0, m0.size(), {1.0f}, tok, &ur).error_code(),
             grpc::StatusCode::OUT_OF_RANGE);
+  {  // a piece that is not whole FP32 values
+    grpc::ClientContext ctx;
+    v1::UploadClientLayerRequest req;
+    req.set_attach_token(tok);
+    req.set_step(1);
+    req.set_data("abcdef");
+    grpc::Status st = stub_->UploadClientLayer(&ctx, req, &ur);
+    EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+    EXPECT_NE(st.error_message().find("data: expected 1.."), std::string::npos)
+        << st.error_message();
+  }
   int complete = 0;
   for (uint32_t layer : {0u, last}) {
     for (uint32_t part = 0; part < 3; ++part) {

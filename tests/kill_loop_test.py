@@ -481,13 +481,7 @@ class KillLoopTest(unittest.TestCase):
         self.assertEqual(sorted(scan_checkpoints(h.ckpt_dir)["committed"]), [2, 4])
         # What a kill in the middle of layer 2's update of step 5 leaves: pending 5, committed
         # 4; not adoptable, so hostd restores the newest checkpoint (step 4).
-        with open(f"/dev/shm/slidedp.{self.instance}.control", "r+b") as f:
-            mm = mmap.mmap(f.fileno(), 0)
-            off = LAYER_CONTROL_OFFSET + 2 * LAYER_CONTROL_BYTES
-            committed, pending = struct.unpack_from("<QQ", mm, off)
-            self.assertEqual((committed, pending), (4, 4))
-            struct.pack_into("<Q", mm, off + 8, 5)
-            mm.close()
+        self.leave_mid_update(layer=2, committed=4)
         h.start_hostd()
         for r in (0, 1):
             h.start_rank(r, 8, reattach=False)
@@ -509,6 +503,16 @@ class KillLoopTest(unittest.TestCase):
         self.assertEqual(Harness(self.tmp, self.instance).instance_files(), {})
         shutil.rmtree(h.ckpt_dir)  # kept when the test fails
 
+    def leave_mid_update(self, layer, committed):
+        """Writes into the control segment of a killed hostd what a kill in the middle of
+        `layer`'s update of step committed + 1 leaves: pending committed + 1."""
+        with open(f"/dev/shm/slidedp.{self.instance}.control", "r+b") as f:
+            mm = mmap.mmap(f.fileno(), 0)
+            off = LAYER_CONTROL_OFFSET + layer * LAYER_CONTROL_BYTES
+            self.assertEqual(struct.unpack_from("<QQ", mm, off), (committed, committed))
+            struct.pack_into("<Q", mm, off + 8, committed + 1)
+            mm.close()
+
     def test_inconsistent_state_refused_then_fresh(self):
         h = self.h = Harness(self.tmp, self.instance, policy="refuse")
         h.start_hostd()
@@ -519,13 +523,7 @@ class KillLoopTest(unittest.TestCase):
         h.hostd.kill()
         h.hostd.wait()
         # What a kill in the middle of layer 1's update of step 4 leaves: pending 4, committed 3.
-        with open(f"/dev/shm/slidedp.{self.instance}.control", "r+b") as f:
-            mm = mmap.mmap(f.fileno(), 0)
-            off = LAYER_CONTROL_OFFSET + 1 * LAYER_CONTROL_BYTES
-            committed, pending = struct.unpack_from("<QQ", mm, off)
-            self.assertEqual((committed, pending), (3, 3))
-            struct.pack_into("<Q", mm, off + 8, 4)
-            mm.close()
+        self.leave_mid_update(layer=1, committed=3)
         h.start_hostd()
         h.start_rank(0, 3, reattach=False)
         self.assertNotEqual(h.ranks[0].wait(timeout=120), 0)
