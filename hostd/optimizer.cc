@@ -223,8 +223,10 @@ void UpdateWorker::AbortStep(uint64_t step, std::function<void()> sealed) {
   {
     absl::MutexLock lock(&mu_);
     aborted_through_ = std::max(aborted_through_, step);
+    // An earlier abort's seal still queued stays: its callback must run (whoever aborted waits
+    // for it) and before this one, so the seals run in step order.
     for (auto it = queue_.begin(); it != queue_.end();) {
-      if (it->step <= aborted_through_) {
+      if (it->kind != ItemKind::kSeal && it->step <= aborted_through_) {
         dropped.push_back(std::move(*it));
         it = queue_.erase(it);
       } else {
@@ -246,7 +248,9 @@ void UpdateWorker::AbortStep(uint64_t step, std::function<void()> sealed) {
     seal.kind = ItemKind::kSeal;
     seal.step = step;
     seal.sealed = std::move(sealed);
-    queue_.push_front(std::move(seal));
+    auto after_seals = std::find_if(queue_.begin(), queue_.end(),
+                                    [](const Item& i) { return i.kind != ItemKind::kSeal; });
+    queue_.insert(after_seals, std::move(seal));
   }
   for (const Item& item : dropped) {
     if (item.kind == ItemKind::kStreamRange) {

@@ -8,6 +8,7 @@
 #include <functional>
 #include <future>
 #include <limits>
+#include <mutex>
 #include <numbers>
 #include <random>
 #include <thread>
@@ -344,6 +345,33 @@ TEST(UpdateWorkerTest, AbortDropsQueuedLayersAndSealsVersions) {
   ASSERT_TRUE(
       f.worker->Submit(1, 2, {g1.data(), kernels::GradType::kBf16, g1.size()}, nullptr).ok());
   f.worker->Stop();
+  EXPECT_EQ(f.state->committed_version(1), 2u);
+}
+
+// A second abort before the first one's seal ran (the reducer's protocol error, then the
+// engine's abort) kept the first seal out of the queue: its callback never ran, and whoever
+// counted pending seals waited forever (found by fuzz_shm).
+TEST(UpdateWorkerTest, EverySealOfBackToBackAbortsRunsInStepOrder) {
+  Fixture f = Make(1, BaseConfig());
+  auto g0 = RandomBf16(f.state->layers()[0].numel, 1);
+  ASSERT_TRUE(
+      f.worker->Submit(0, 1, {g0.data(), kernels::GradType::kBf16, g0.size()}, nullptr).ok());
+  std::vector<int> order;
+  std::mutex mu;
+  auto note = [&](int tag) {
+    return [&, tag] {
+      std::lock_guard<std::mutex> lock(mu);
+      order.push_back(tag);
+    };
+  };
+  // Not started: every seal is still queued when the next abort comes.
+  f.worker->AbortStep(1, note(1));
+  f.worker->AbortStep(1, note(2));
+  f.worker->AbortStep(2, note(3));
+  f.worker->Start();
+  f.worker->Stop();
+  EXPECT_EQ(order, (std::vector<int>{1, 2, 3}));
+  EXPECT_EQ(f.state->committed_version(0), 2u);
   EXPECT_EQ(f.state->committed_version(1), 2u);
 }
 

@@ -8,5 +8,5 @@ if [ -x "$VENV/bin/python" ] && "$VENV/bin/python" -c "import torch, numpy, tran
   exit 0
 fi
 python3 -m venv "$VENV"
-"$VENV/bin/pip" install -q --upgrade pip
-"$VENV/bin/pip" install -q torch numpy transformers safetensors
+"$VENV/bin/pip" install -q --no-cache-dir --upgrade pip
+"$VENV/bin/pip" install -q --no-cache-dir torch numpy transformers safetensors
