@@ -15,7 +15,7 @@ W=$(mktemp -d); CK=${7:-$W/ck}; mkdir -p "$OUT" "$CK"
 python3 examples/train_hf.py prepare "$W" --model "$MODEL" --config-only >/dev/null
 "$B/bin/hostd" --model "$W" --socket "$W/h.sock" --instance "ckst$$" --mlock best_effort \
   --update_threads $(( $(nproc) > 5 ? $(nproc) - 4 : 1 )) --checkpoint.dir "$CK" --checkpoint.keep_last 1 \
-  --checkpoint.on_stop false >"$OUT/hostd.log" 2>&1 &
+  --checkpoint.on_stop false --grad_route "${ROUTE:-gpu_reduction}" >"$OUT/hostd.log" 2>&1 &
 HP=$!
 while [ ! -S "$W/h.sock" ]; do
   sleep 0.5; kill -0 $HP 2>/dev/null || { echo "hostd exited"; tail -5 "$OUT/hostd.log"; exit 1; }

@@ -17,6 +17,7 @@ run, so a killed parent leaves the runs done so far. See README.md next to this 
 import argparse
 import datetime
 import json
+import re
 import os
 import shlex
 import shutil
@@ -538,7 +539,7 @@ class TreeSampler(threading.Thread):
 # ----------------------------------------------------------------------------------------------
 # parent: launching children
 # ----------------------------------------------------------------------------------------------
-def child_cmd(args, system, ckpt, batch, result_file):
+def child_cmd(args, system, ckpt, batch, result_file, extra_opts=()):
     cmd = [sys.executable, os.path.abspath(__file__), "--one", system, "on" if ckpt else "off", str(batch),
            "--seq", str(args.seq), "--steps", str(args.steps), "--warmup", str(args.warmup),
            "--seed", str(args.seed), "--result-file", result_file]
@@ -547,7 +548,7 @@ def child_cmd(args, system, ckpt, batch, result_file):
     if system == "deepspeed" and args.ds_config_extra:
         cmd += ["--ds-config-extra", args.ds_config_extra]
     if system == "slidedp":
-        for o in args.slidedp_opt:
+        for o in list(args.slidedp_opt) + list(extra_opts):  # a later KEY wins
             cmd += ["--slidedp-opt", o]
     return cmd
 
@@ -602,8 +603,10 @@ def _read_result(result_file, stdout_file):
     return None
 
 
-def launch(args, system, ckpt, batch, log_dir, timeout):
+def launch(args, system, ckpt, batch, log_dir, timeout, extra_opts=()):
     tag = f"{system}_{'ckpt' if ckpt else 'nockpt'}_b{batch}"
+    if extra_opts:
+        tag += "_" + re.sub(r"[^A-Za-z0-9.=_-]", "_", "_".join(extra_opts))
     tmp = tempfile.mkdtemp(prefix=f"hh2h-{tag}-")
     result_file = os.path.join(tmp, "result.json")
     pid_file = os.path.join(tmp, "pids")
@@ -614,7 +617,7 @@ def launch(args, system, ckpt, batch, log_dir, timeout):
     env = child_env(args, system)
     env["HH2H_PID_FILE"] = pid_file
     env["HH2H_PHASE_FILE"] = phase_file
-    cmd = child_cmd(args, system, ckpt, batch, result_file)
+    cmd = child_cmd(args, system, ckpt, batch, result_file, extra_opts)
     print(f"[hh2h] {tag}: start (timeout {timeout:.0f} s)", file=sys.stderr, flush=True)
     t0 = time.time()
     with open(out_path, "w") as fo, open(err_path, "w") as fe:
@@ -651,6 +654,7 @@ def launch(args, system, ckpt, batch, log_dir, timeout):
             rec["removed_stale_extension_locks"] = stale
     rec["returncode"] = rc
     rec["wall_s"] = round(wall, 2)
+    rec["variant"] = ",".join(extra_opts)
     rec.update(sampler.result())
     rec["log"] = {"stdout": os.path.relpath(out_path, args.out), "stderr": os.path.relpath(err_path, args.out)}
     # extra processes named by the runner might outlive the child: not ours to kill, just say so
@@ -709,17 +713,21 @@ def derive(rec, nparam, cfgd, seq):
 def compute_ratios(runs, batches):
     ok = {}
     status = {}
+    variant = {}  # the --run options of the run behind ok[key] (the best when several ran)
     for r in runs:
         key = (r["system"], bool(r["ckpt"]), int(r["batch"]))
         status[key] = r.get("status")
-        if r.get("status") == "ok" and r.get("tokens_per_s"):
+        if r.get("status") == "ok" and r.get("tokens_per_s") and r["tokens_per_s"] > ok.get(key, 0):
             ok[key] = r["tokens_per_s"]
+            variant[key] = r.get("variant", "")
 
     def row(num, den, extra):
         d = dict(extra)
         a, b = ok.get(num), ok.get(den)
         d["slidedp_tokens_per_s"] = a
         d[f"{den[0]}_tokens_per_s"] = b
+        if variant.get(num):
+            d["slidedp_variant"] = variant[num]
         if a and b:
             d["ratio"] = a / b
         else:
@@ -738,7 +746,7 @@ def compute_ratios(runs, batches):
         if not cand:
             return None
         v, k = max(cand)
-        return {"tokens_per_s": v, "ckpt": k[1], "batch": k[2]}
+        return {"tokens_per_s": v, "ckpt": k[1], "batch": k[2], "variant": variant.get(k, "")}
     sb, fb = best("slidedp"), best("fsdp2")
     out["slidedp_best_over_fsdp2_best"] = {
         "ratio": sb["tokens_per_s"] / fb["tokens_per_s"] if sb and fb else None,
@@ -931,6 +939,27 @@ def git_info():
 # ----------------------------------------------------------------------------------------------
 # parent: main loop and merge
 # ----------------------------------------------------------------------------------------------
+def parse_run_spec(spec):
+    """SYSTEM:on|off:BATCH[:KEY=VALUE,KEY=VALUE...] -> (system, ckpt, batch, [KEY=VALUE...])."""
+    parts = spec.split(":", 3)
+    if len(parts) < 3:
+        raise SystemExit(f"--run {spec!r}: expected SYSTEM:on|off:BATCH[:KEY=VALUE,...]")
+    system, ckpt, batch = parts[0], parts[1], parts[2]
+    if system not in SYSTEMS:
+        raise SystemExit(f"--run {spec!r}: unknown system {system!r}; choose from {','.join(SYSTEMS)}")
+    if ckpt not in ("on", "off"):
+        raise SystemExit(f"--run {spec!r}: checkpointing must be on or off, got {ckpt!r}")
+    if not batch.isdigit() or int(batch) < 1:
+        raise SystemExit(f"--run {spec!r}: batch must be a positive integer, got {batch!r}")
+    extra = [o for o in parts[3].split(",") if o] if len(parts) == 4 else []
+    for o in extra:
+        if "=" not in o:
+            raise SystemExit(f"--run {spec!r}: option {o!r} is not KEY=VALUE")
+    if extra and system != "slidedp":
+        raise SystemExit(f"--run {spec!r}: per-run options apply to slidedp only")
+    return system, ckpt == "on", int(batch), extra
+
+
 def parent_main(args):
     if os.environ.get("RANK", "0") != "0" or os.environ.get("LOCAL_RANK", "0") != "0":
         print("[hh2h] not rank 0 of a torchrun launch: nothing to do", file=sys.stderr)
@@ -1000,7 +1029,21 @@ def parent_main(args):
         "runs": [],
     }
     write_outputs(report, json_path, png_path)
-    for system in systems:
+    if args.run:
+        plan = [parse_run_spec(spec) for spec in args.run]
+        report["plan"] = args.run
+        for system, ckpt, b, extra in plan:
+            remaining = args.budget_s - (time.time() - t_begin) if args.budget_s else None
+            if remaining is not None and remaining < 30:
+                rec = {"system": system, "ckpt": ckpt, "batch": b, "seq": args.seq, "status": "not_run",
+                       "variant": ",".join(extra), "why": f"--budget-s {args.budget_s} spent"}
+            else:
+                timeout = args.timeout if remaining is None else min(args.timeout, remaining)
+                rec = launch(args, system, ckpt, b, log_dir, timeout, extra)
+            derive(rec, nparam, cfg, args.seq)
+            report["runs"].append(rec)
+            write_outputs(report, json_path, png_path)
+    for system in ([] if args.run else systems):
         for ckpt in [c for c in SETTINGS[system] if c in ckpt_filter]:
             stop = None
             for b in batches:
@@ -1042,7 +1085,7 @@ def summary_table(report):
                      f"{f(r.get('step_s'), '%.3f'):>8} {f(r.get('tokens_per_s'), '%.0f'):>9} "
                      f"{f(r.get('model_TFLOPS'), '%.1f'):>7} {f(r.get('peak_gpu_reserved_GiB'), '%.1f'):>7} "
                      f"{f(r.get('host_rss_peak_GiB'), '%.2f'):>8} {f(r.get('host_pss_peak_GiB'), '%.2f'):>8} "
-                     f"{f(r.get('loss'), '%.4f'):>8}")
+                     f"{f(r.get('loss'), '%.4f'):>8} {r.get('variant') or ''}")
     rb = report.get("ratios", {}).get("slidedp_best_over_fsdp2_best", {})
     lines.append(f"slidedp-best / fsdp2-best: {rb.get('ratio')}")
     return "\n".join(lines)
@@ -1104,6 +1147,9 @@ def main():
     ap.add_argument("--ds-config-extra", default=None, help="JSON merged into the DeepSpeed config")
     ap.add_argument("--slidedp-opt", action="append", default=[], metavar="KEY=VALUE",
                     help="passed to run_slidedp as a keyword (VALUE parsed as JSON when it parses); repeatable")
+    ap.add_argument("--run", action="append", default=[], metavar="SYSTEM:on|off:BATCH[:KEY=VALUE,...]",
+                    help="run exactly these, in this order, in this one invocation (instead of --systems x --ckpt x "
+                         "--batches); KEY=VALUE are slidedp options for that run only, on top of --slidedp-opt")
     ap.add_argument("--merge", nargs="+", metavar="JSON", help="combine reports of earlier runs, rewrite ratios/PNG")
     ap.add_argument("--one", nargs=3, metavar=("SYSTEM", "CKPT", "BATCH"), help=argparse.SUPPRESS)
     ap.add_argument("--result-file", default=None, help=argparse.SUPPRESS)
