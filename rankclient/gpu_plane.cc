@@ -234,14 +234,22 @@ absl::Status GpuDataPlane::Init() {
     ASSIGN_OR_RETURN(s.free, NewEvent(false));
   }
 
-  // 4. Gradient staging, needed by the collective routes and by dtype casts. Device memory is
-  // taken on a buffer's first use (TakeStaging): the CPU-reduction route in the job's dtype never
-  // needs any, and the largest layer (the embeddings) would otherwise cost several GB per buffer.
+  // 4. Gradient staging, needed by the collective routes and by dtype casts. On the collective
+  // routes every push goes through a buffer, so their device memory is taken here, before the
+  // first forward: a batch-size check (python_client's preflight) then sees it in the free
+  // memory, instead of a cudaMalloc failing in the middle of the first backward (seen on the
+  // H200: 16 buffers of a Qwen3-4B layer, ~1 GB each, after a batch the check had let through).
+  // Elsewhere it is taken on a buffer's first use (TakeStaging): the CPU-reduction route in the
+  // job's dtype never needs any.
   reduce_dtype_ = options_.reduce_in_fp32 ? 1 : client_->grad_dtype();
   m.staging.resize(options_.staging_buffers);
   for (StagingBuffer& b : m.staging) {
     ASSIGN_OR_RETURN(b.ready, NewEvent(false));
     ASSIGN_OR_RETURN(b.free, NewEvent(false));
+  }
+  if (client_->layout().grad_route() == v1::GRAD_ROUTE_GPU_REDUCTION ||
+      client_->layout().grad_route() == v1::GRAD_ROUTE_REDUCE_SCATTER) {
+    for (StagingBuffer& b : m.staging) RETURN_IF_ERROR(AllocateStaging(b));
   }
   m.consumed.resize(layers);
   m.produced.resize(layers);

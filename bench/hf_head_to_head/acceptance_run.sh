@@ -1,0 +1,37 @@
+#!/bin/bash
+# The H200 measurements that #5 (head-to-head) and #6 (checkpoint stall) accept on, each sized for
+# one device call (< 600 s). Run from the repository root on the GPU machine with a bundle
+# (python3 deploy/bundle --build build --out .carry/bundle --strip --with-bench --with-gpu-tests):
+#   bench/hf_head_to_head/acceptance_run.sh h2h   BUNDLE OUT   # one run.py invocation: every ratio side by side
+#   bench/hf_head_to_head/acceptance_run.sh stall BUNDLE OUT   # a 4B python_client job checkpointed while it trains
+# h2h plan (in this order, so a budget cut drops the least needed runs): FSDP2 full recompute at
+# batch 16 and FSDP2's best (no recompute, batch 8); slidedp full recompute at batch 16 (window 40
+# slots) and its best (a quarter of the layers recomputed, batch 16); slidedp batch 8 (the
+# host-floor ratio) and FSDP2 + CPUOffloadPolicy batch 8.
+set -u
+WHAT=${1:?h2h or stall}; B=${2:?bundle}; OUT=${3:?out}
+export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
+mkdir -p "$OUT"
+case "$WHAT" in
+  h2h)
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv >"$OUT/nvidia-smi.txt" 2>&1
+    timeout 585 python3 bench/hf_head_to_head/run.py --timeout 170 --budget-s 570 \
+      --slidedp-opt bundle="$B" --slidedp-opt update_threads=12 --slidedp-opt max_pending_grads=16 \
+      --run fsdp2:on:16 --run fsdp2:off:8 \
+      --run slidedp:on:16:window_slots=40 --run slidedp:off:16:checkpointing=0.25 \
+      --run slidedp:on:8:window_slots=40 --run fsdp2_offload:on:8 \
+      --out "$OUT/h2h" >"$OUT/h2h.log" 2>&1
+    echo "rc=$?" >>"$OUT/h2h.log"
+    tail -12 "$OUT/h2h.log"
+    ;;
+  stall)
+    { cat /sys/kernel/mm/transparent_hugepage/enabled; grep -E "MemTotal|MemAvailable" /proc/meminfo; } \
+      >"$OUT/host.txt" 2>&1
+    # 110 steps of ~1 s: the 48 GB checkpoint (~94 s at ~0.5 GB/s) ends before training does.
+    timeout 560 bash bench/checkpoint/hf_checkpoint_stall.sh "$B" "$OUT/stall" qwen3-4b 8 110 8 \
+      >"$OUT/stall.log" 2>&1
+    echo "rc=$?" >>"$OUT/stall.log"
+    tail -3 "$OUT/stall.log" | cut -c1-2500
+    ;;
+  *) echo "unknown measurement $WHAT (h2h or stall)" >&2; exit 2 ;;
+esac
