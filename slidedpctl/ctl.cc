@@ -363,6 +363,7 @@ struct EstimateOptions {
   uint64_t batch = 0;
   uint64_t seq = 0;
   uint32_t window_slots = 0;
+  std::string nondecoder = "resident";
   std::string gpu_memory;
 };
 
@@ -373,6 +374,8 @@ int RunEstimate(const EstimateOptions& o, bool json, std::ostream& out, std::ost
   inputs.batch = o.batch;
   inputs.seq = o.seq;
   inputs.window_slots = o.window_slots;
+  inputs.nondecoder =
+      o.nondecoder == "streamed" ? NonDecoderPlacement::kStreamed : NonDecoderPlacement::kResident;
   inputs.chunk_bytes = hostd::DefaultRoutes().chunk_bytes();
   if (!o.gpu_memory.empty()) {
     std::optional<uint64_t> bytes = ParseByteSize(o.gpu_memory);
@@ -484,8 +487,16 @@ int Run(const std::vector<std::string>& args, std::ostream& out, std::ostream& e
       ->required();
   estimate_cmd
       ->add_option("--window-slots", est.window_slots,
-                   "GPU window slots (default: non-decoder layers + 6, as python_client)")
+                   "GPU window slots (default 6, as python_client; + the non-decoder layers "
+                   "with --nondecoder streamed)")
       ->check(CLI::Range(uint32_t{1}, uint32_t{100000}));
+  estimate_cmd
+      ->add_option("--nondecoder", est.nondecoder,
+                   "where embeddings, final norm and lm_head live: resident (on each GPU, "
+                   "python_client's default on CUDA) or streamed (through the window: "
+                   "nondecoder=\"host\", native ranks)")
+      ->check(CLI::IsMember({"resident", "streamed"}))
+      ->capture_default_str();
   estimate_cmd
       ->add_option("--gpu-memory", est.gpu_memory,
                    "memory of one GPU, e.g. 80GiB (default: nvidia-smi's smallest GPU, else the "

@@ -84,6 +84,14 @@ absl::StatusOr<Estimate> ComputeEstimate(const hostd::LoadedModel& model,
       e.largest_layer_params = n;
       e.largest_layer = layer.name();
     }
+    const bool resident = inputs.nondecoder == NonDecoderPlacement::kResident &&
+                          layer.kind() != v1::LAYER_KIND_DECODER;
+    if (resident) {
+      e.resident_params = Add(e.resident_params, n);
+    } else if (n > e.largest_streamed_layer_params) {
+      e.largest_streamed_layer_params = n;
+      e.largest_streamed_layer = layer.name();
+    }
     for (const v1::TensorSpec& t : layer.tensors()) {
       if (t.name() == "model.embed_tokens.weight" && t.shape_size() == 2) {
         e.vocab = static_cast<uint64_t>(t.shape(0));
@@ -113,16 +121,18 @@ absl::StatusOr<Estimate> ComputeEstimate(const hostd::LoadedModel& model,
   const uint64_t reduce_buffers = Mul(2, Mul(e.largest_layer_params, 4));
   const uint64_t host = Add(shm_total, reduce_buffers);
 
+  const uint32_t streamed_nondec = inputs.nondecoder == NonDecoderPlacement::kStreamed ? nondec : 0;
   e.window_slots_default = inputs.window_slots == 0;
   e.window_slots =
-      e.window_slots_default ? nondec + 2 * kEstimatePrefetch + 2 : inputs.window_slots;
-  const uint64_t window = Mul(e.window_slots, Mul(e.largest_layer_params, 2));
+      e.window_slots_default ? streamed_nondec + 2 * kEstimatePrefetch + 2 : inputs.window_slots;
+  const uint64_t window = Mul(e.window_slots, Mul(e.largest_streamed_layer_params, 2));
+  const uint64_t resident_gpu = Mul(e.resident_params, kEstimateResidentBytesPerParam);
   const uint64_t bs = Mul(inputs.batch, inputs.seq);
   const uint64_t checkpoints = Mul(Mul(e.decoder_layers, bs), Mul(e.hidden, 2));
   const uint64_t logits = Mul(bs, Mul(e.vocab, 10));
   const uint64_t recompute = Mul(bs, Mul(Add(Mul(4, e.hidden), Mul(3, e.intermediate)), 4));
   const uint64_t activations = Add(Add(checkpoints, logits), recompute);
-  const uint64_t gpu_total = Add(window, activations);
+  const uint64_t gpu_total = Add(Add(window, resident_gpu), activations);
 
   auto& f = e.figures;
   f.push_back(Info("parameters", "parameters", e.parameters, /*is_bytes=*/false));
@@ -167,14 +177,23 @@ absl::StatusOr<Estimate> ComputeEstimate(const hostd::LoadedModel& model,
                                       ? absl::StrCat("GPU memory ", FormatBytes(*inputs.gpu_memory),
                                                      " (", inputs.gpu_memory_source, ")")
                                       : "GPU memory unknown (pass --gpu-memory)";
-  f.push_back(Checked(
-      "window_bytes",
-      absl::StrCat("GPU window per rank: ", e.window_slots, " slots x ", e.largest_layer, " x 2 B"),
-      window, inputs.gpu_memory, gpu_against));
+  f.push_back(Checked("window_bytes",
+                      absl::StrCat("GPU window per rank: ", e.window_slots, " slots x ",
+                                   e.largest_streamed_layer, " x 2 B"),
+                      window, inputs.gpu_memory, gpu_against));
+  if (inputs.nondecoder == NonDecoderPlacement::kResident) {
+    f.push_back(Checked("resident_bytes",
+                        absl::StrCat("resident non-decoder layers per rank (", nondec, " layers x ",
+                                     kEstimateResidentBytesPerParam, " B/param)"),
+                        resident_gpu, inputs.gpu_memory, gpu_against));
+  }
   f.push_back(Checked("activation_bytes", "activations per rank (rough estimate, full recompute)",
                       activations, inputs.gpu_memory, gpu_against));
-  f.push_back(Checked("gpu_total_bytes", "per-GPU total: window + activations", gpu_total,
-                      inputs.gpu_memory, gpu_against));
+  f.push_back(Checked("gpu_total_bytes",
+                      inputs.nondecoder == NonDecoderPlacement::kResident
+                          ? "per-GPU total: window + resident layers + activations"
+                          : "per-GPU total: window + activations",
+                      gpu_total, inputs.gpu_memory, gpu_against));
   e.fits = std::none_of(f.begin(), f.end(),
                         [](const EstimateFigure& x) { return x.verdict == kVerdictTooLarge; });
   return e;
@@ -193,10 +212,15 @@ nlohmann::ordered_json EstimateToJson(const Estimate& e, const MachineInfo& mach
                  {"intermediate", e.intermediate},
                  {"vocab", e.vocab},
                  {"largest_layer", e.largest_layer},
-                 {"largest_layer_params", e.largest_layer_params}};
+                 {"largest_layer_params", e.largest_layer_params},
+                 {"largest_streamed_layer", e.largest_streamed_layer},
+                 {"largest_streamed_layer_params", e.largest_streamed_layer_params},
+                 {"resident_params", e.resident_params}};
   j["inputs"] = J{{"gpus", e.inputs.gpus},
                   {"batch", e.inputs.batch},
                   {"seq", e.inputs.seq},
+                  {"nondecoder",
+                   e.inputs.nondecoder == NonDecoderPlacement::kResident ? "resident" : "streamed"},
                   {"window_slots", e.window_slots},
                   {"window_slots_default", e.window_slots_default},
                   {"chunk_bytes", e.inputs.chunk_bytes},

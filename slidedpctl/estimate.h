@@ -46,14 +46,24 @@ inline constexpr int kExitDoesNotFit = 5;
 
 // hostd's defaults for the gradient rings (hostd/engine.cc kGradRingSlots, config chunk_bytes).
 inline constexpr uint32_t kEstimateGradRingSlots = 4;
-// python_client's default prefetch; default window slots = non-decoder layers + 2 * prefetch + 2.
+// python_client's default prefetch; default window slots = 2 * prefetch + 2, plus the
+// non-decoder layers when they stream through the window too.
 inline constexpr uint32_t kEstimatePrefetch = 2;
+// Bytes per parameter of a layer the ranks keep on the GPU and update there (python_client's
+// nondecoder="resident"): BF16 weights, FP32 master, m, v, FP32 gradient accumulator.
+inline constexpr uint64_t kEstimateResidentBytesPerParam = 18;
+
+// Where the embeddings, final norm and lm_head live. kResident: on each GPU for the whole run,
+// updated there (python_client's default on CUDA); kStreamed: through the GPU window like the
+// decoder layers, updated by hostd (python_client nondecoder="host", native rankclient ranks).
+enum class NonDecoderPlacement { kResident, kStreamed };
 
 struct EstimateInputs {
   uint32_t gpus = 1;          // world size, 1..64
   uint64_t batch = 1;         // sequences per rank per micro-step
   uint64_t seq = 1;           // tokens per sequence
   uint32_t window_slots = 0;  // 0: the default
+  NonDecoderPlacement nondecoder = NonDecoderPlacement::kResident;
   uint64_t chunk_bytes = 16ull << 20;
   std::optional<uint64_t> gpu_memory;  // bytes per GPU; nullopt: GPU figures unchecked
   std::string gpu_memory_source;       // "--gpu-memory", "nvidia-smi" or ""
@@ -87,6 +97,9 @@ struct Estimate {
   uint64_t vocab = 0;
   std::string largest_layer;
   uint64_t largest_layer_params = 0;
+  std::string largest_streamed_layer;  // what one window slot holds
+  uint64_t largest_streamed_layer_params = 0;
+  uint64_t resident_params = 0;  // kResident: the non-decoder layers' parameters
   uint32_t window_slots = 0;
   bool window_slots_default = true;
   EstimateInputs inputs;

@@ -69,7 +69,7 @@ with tempfile.TemporaryDirectory() as tmp:
 
     # --- parameters and hostd's shared memory ---------------------------------------------
     rc, out, err = run("estimate", "--model", cfg_dir, "--gpus", "2", "--batch", "1", "--seq",
-                       "128", "--gpu-memory", "80GiB", "--json")
+                       "128", "--gpu-memory", "80GiB", "--nondecoder", "streamed", "--json")
     check(rc in (0, 5), f"estimate --json exits 0 or 5 (got {rc}: {err.strip()})")
     doc = json.loads(out)
     layers = qwen3_layers(QWEN3_0_6B)
@@ -101,6 +101,40 @@ with tempfile.TemporaryDirectory() as tmp:
         check(f["verdict"] in ("OK", "TOO LARGE", "UNCHECKED", "-"), f"{key} verdict {f['verdict']}")
     check(doc["verdict"] in ("OK", "TOO LARGE"), "overall verdict")
     check((rc == 0) == (doc["verdict"] == "OK"), "exit code matches the overall verdict")
+
+    check(doc["inputs"]["nondecoder"] == "streamed", "inputs.nondecoder echoes the flag")
+    check("resident_bytes" not in fig, "streamed: no resident figure")
+    check(fig["gpu_total_bytes"]["value"] == fig["window_bytes"]["value"] + act,
+          "streamed: per-GPU total = window + activations")
+
+    # --- python_client's default: embeddings, norm and lm_head resident on each GPU -----------
+    rc, out, err = run("estimate", "--model", cfg_dir, "--gpus", "2", "--batch", "1", "--seq",
+                       "128", "--gpu-memory", "80GiB", "--json")
+    res = json.loads(out)
+    rfig = res["figures"]
+    check(res["inputs"]["nondecoder"] == "resident", "the default placement is resident")
+    # Qwen3-0.6B ties lm_head to the embeddings: the non-decoder layers are the embeddings and
+    # the final norm (qwen3_layers: embeddings, the decoder layers, the norm).
+    n_dec = QWEN3_0_6B["num_hidden_layers"]
+    resident_params = sum(layers) - sum(layers[1:1 + n_dec])
+    check(res["model"]["resident_params"] == resident_params,
+          f"resident_params = embeddings + final norm = {resident_params} "
+          f"(got {res['model']['resident_params']})")
+    check(rfig["resident_bytes"]["value"] == 18 * resident_params,
+          "resident layers: 18 B/param (BF16 weights, FP32 master, m, v, gradient)")
+    decoder = max(layers[1:1 + n_dec])
+    check(res["inputs"]["window_slots"] == 6, "default window slots: 2 x prefetch + 2 = 6")
+    check(res["model"]["largest_streamed_layer_params"] == decoder,
+          "a window slot holds the largest decoder layer")
+    check(rfig["window_bytes"]["value"] == 6 * decoder * 2, "window = 6 slots x decoder layer x 2 B")
+    check(rfig["gpu_total_bytes"]["value"] == rfig["window_bytes"]["value"] +
+          rfig["resident_bytes"]["value"] + rfig["activation_bytes"]["value"],
+          "resident: per-GPU total = window + resident layers + activations")
+    check(rfig["state_bytes"]["value"] == state, "hostd's state does not depend on the placement")
+    rc, out, err = run("estimate", "--model", cfg_dir, "--gpus", "1", "--batch", "1", "--seq",
+                       "128", "--nondecoder", "sideways")
+    check(rc == 2 and "--nondecoder" in err, f"--nondecoder sideways: exit 2 naming the flag "
+          f"(got {rc}: {err.strip()[:200]})")
 
     # tiny built-in: fits in 80 GiB per GPU with a tiny batch
     rc, out, err = run("estimate", "--model", "tiny", "--gpus", "1", "--batch", "1", "--seq",
