@@ -25,7 +25,7 @@ case "$WHAT" in
     tail -12 "$OUT/h2h.log"
     ;;
   stall)
-    { cat /sys/kernel/mm/transparent_hugepage/enabled; grep -E "MemTotal|MemAvailable" /proc/meminfo; } \
+    { cat /sys/kernel/mm/transparent_hugepage/enabled /sys/kernel/mm/transparent_hugepage/defrag; grep -E "MemTotal|MemAvailable" /proc/meminfo; } \
       >"$OUT/host.txt" 2>&1
     # 110 steps of ~1 s: the 48 GB checkpoint (~94 s at ~0.5 GB/s) ends before training does.
     timeout 560 bash bench/checkpoint/hf_checkpoint_stall.sh "$B" "$OUT/stall" qwen3-4b 8 110 8 \
