@@ -31,6 +31,7 @@ every step's |loss - reference| <= 2e-3 * reference loss; final parameters: rela
 >= 50% of the BF16 values identical (H200, tied/no recompute/2 micro-batches: 5.3e-5, 1.05e-3,
 66%).
 """
+import glob
 import json
 import os
 import signal
@@ -518,6 +519,12 @@ class PythonClientTest(unittest.TestCase):
             opt.close()  # detaching from a dead hostd may report UNAVAILABLE; it must not hang
         except slidedp.SlideDPError as e:
             self.assertEqual(e.code, 14, str(e))
+        # The killed hostd left its shared state for re-adoption (as it should); nobody will
+        # adopt it: remove it, or every run of this test leaves ~70 MB in /dev/shm.
+        left = glob.glob(f"/dev/shm/slidedp.py{os.getpid()}c.*")
+        self.assertTrue(left, "a killed hostd leaves its segments for re-adoption")
+        for f in left:
+            os.remove(f)
 
 
 def main():
