@@ -224,8 +224,9 @@ absl::Status Checkpointer::Start(const std::string& dir, uint64_t step, Checkpoi
   }
   snapshots_.clear();
   pool_used_ = 0;
-  pool_bytes_ = options_.snapshot_pool_at_start ? options_.snapshot_pool_at_start()
+  pool_bytes_ = options_.snapshot_pool_at_start ? options_.snapshot_pool_at_start(kept_bytes_)
                                                 : options_.snapshot_pool_bytes;
+  TrimKeptLocked(pool_bytes_);
   wanted_layer_ = -1;
   started_ = Clock::now();
   results_.erase(step);
@@ -318,15 +319,41 @@ void Checkpointer::Unmap::operator()(float* p) const {
   if (p != nullptr) munmap(p, bytes);
 }
 
-Checkpointer::Snapshot Checkpointer::AllocateSnapshot(uint64_t numel) {
+Checkpointer::Snapshot Checkpointer::AllocateSnapshot(uint64_t numel) const {
   const size_t bytes = 3 * numel * sizeof(float);
   void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
   if (p == MAP_FAILED) throw std::bad_alloc();
-  madvise(p, bytes, MADV_HUGEPAGE);  // best effort: THP "never" leaves 4 KiB pages
+  if (options_.snapshot_huge_pages) madvise(p, bytes, MADV_HUGEPAGE);  // best effort
   Snapshot snap;
   snap.data = std::unique_ptr<float[], Unmap>(static_cast<float*>(p), Unmap{bytes});
   snap.numel = numel;
   return snap;
+}
+
+Checkpointer::Snapshot Checkpointer::TakeKeptLocked(uint64_t numel) {
+  auto it = kept_.find(numel);
+  if (it == kept_.end()) return Snapshot{};
+  Snapshot s = std::move(it->second);
+  kept_.erase(it);
+  kept_bytes_ -= 3 * numel * sizeof(float);
+  stats_.pool_kept_bytes = kept_bytes_;
+  return s;
+}
+
+void Checkpointer::KeepLocked(Snapshot s) {
+  if (!options_.keep_snapshot_pool || !s.data) return;  // freed here
+  kept_bytes_ += 3 * s.numel * sizeof(float);
+  kept_.emplace(s.numel, std::move(s));
+  stats_.pool_kept_bytes = kept_bytes_;
+}
+
+void Checkpointer::TrimKeptLocked(uint64_t bytes) {
+  while (kept_bytes_ > bytes && !kept_.empty()) {
+    auto it = std::prev(kept_.end());  // the largest first
+    kept_bytes_ -= 3 * it->first * sizeof(float);
+    kept_.erase(it);
+  }
+  stats_.pool_kept_bytes = kept_bytes_;
 }
 
 void Checkpointer::BeforeLayerWrite(uint32_t layer, uint64_t step) {
@@ -348,10 +375,11 @@ void Checkpointer::BeforeLayerWrite(uint32_t layer, uint64_t step) {
       pool_used_ += bytes;
       stats_.pool_high_water_bytes = std::max(stats_.pool_high_water_bytes, pool_used_);
       if (waited) stats_.stall_seconds += Seconds(t0, Clock::now());
+      Snapshot kept = TakeKeptLocked(info.numel);
       lock.unlock();
       // The copy runs on the update pool: the update of this layer is waiting for it anyway.
       const auto c0 = Clock::now();
-      Snapshot snap = AllocateSnapshot(info.numel);
+      Snapshot snap = kept.data ? std::move(kept) : AllocateSnapshot(info.numel);
       const float* src[3] = {state_->master(layer), state_->exp_avg(layer),
                              state_->exp_avg_sq(layer)};
       float* dst = snap.data.get();
@@ -448,8 +476,9 @@ void Checkpointer::RunCheckpoint(std::unique_lock<std::mutex>& lock) {
         layers_[l] = LayerState::kCopying;
         pool_used_ += 3 * n * sizeof(float);
         stats_.pool_high_water_bytes = std::max(stats_.pool_high_water_bytes, pool_used_);
+        Snapshot kept = TakeKeptLocked(n);
         lock.unlock();
-        Snapshot copy = AllocateSnapshot(n);
+        Snapshot copy = kept.data ? std::move(kept) : AllocateSnapshot(n);
         // A few threads of its own (the update pool is the worker's): a single memcpy stream
         // does not reach the DRAM bandwidth, and every layer copied here is one the next
         // step's update need not copy itself.
@@ -521,8 +550,8 @@ void Checkpointer::RunCheckpoint(std::unique_lock<std::mutex>& lock) {
     }
     write_s += Seconds(w0, Clock::now());
     const uint64_t freed = snap.data ? 3 * snap.numel * sizeof(float) : 0;
-    snap = Snapshot{};
     lock.lock();
+    KeepLocked(std::move(snap));
     if (!written.ok()) {
       status = written.status();
       break;
@@ -538,6 +567,7 @@ void Checkpointer::RunCheckpoint(std::unique_lock<std::mutex>& lock) {
   // active_ stays true until the result is recorded (Wait, Start); every layer is marked done,
   // so updates pass the hook untouched meanwhile.
   for (auto& s : layers_) s = LayerState::kDone;
+  for (auto& [l, s] : snapshots_) KeepLocked(std::move(s));
   snapshots_.clear();
   pool_used_ = 0;
   cv_.notify_all();

@@ -80,8 +80,9 @@ struct CheckpointStats {
   uint64_t layers_copied_by_writer = 0;  // copied into the pool by the writer
   uint64_t layers_written_live = 0;      // written straight from the live state
   uint64_t pool_high_water_bytes = 0;
-  double last_seconds = 0;   // request to commit, of the last committed checkpoint
-  double last_mb_per_s = 0;  // its layer bytes / its duration
+  uint64_t pool_kept_bytes = 0;  // snapshot buffers kept for the next checkpoint
+  double last_seconds = 0;       // request to commit, of the last committed checkpoint
+  double last_mb_per_s = 0;      // its layer bytes / its duration
   uint64_t last_stall_max_layer_wait_us = 0;
 };
 
@@ -98,8 +99,16 @@ class Checkpointer {
     uint32_t keep_last = 3;                     // 0: keep every checkpoint
     uint64_t snapshot_pool_bytes = 1ull << 30;  // room for copies of layers
     // When set, each checkpoint's room is what this returns at its Start (e.g. from the
-    // MemAvailable of that moment) instead of snapshot_pool_bytes.
-    std::function<uint64_t()> snapshot_pool_at_start;
+    // MemAvailable of that moment) instead of snapshot_pool_bytes; its argument is the bytes of
+    // snapshot buffers kept from earlier checkpoints (not in MemAvailable, yet room).
+    std::function<uint64_t(uint64_t kept_bytes)> snapshot_pool_at_start;
+    // Snapshot buffers stay allocated (and their pages faulted in) for the next checkpoint, up
+    // to its pool size. Faulting in fresh pages made the copy 3x slower than into warm ones
+    // (capture_bench; the copy of the whole state lands in the step after the capture point).
+    bool keep_snapshot_pool = true;
+    // Ask for transparent huge pages for snapshot buffers (MADV_HUGEPAGE). Off: with THP defrag
+    // "madvise" (the usual default) those faults compact memory and the copy got slower.
+    bool snapshot_huge_pages = false;
     // How long a checkpoint waits for ClientLayerReady of the layers it awaits from the ranks.
     int64_t client_upload_timeout_ms = 300000;
   };
@@ -150,9 +159,7 @@ class Checkpointer {
   // writer writes it from the live state; kDone: written; kAwaitingClient: a client-updated
   // layer whose version-t state the ranks have not uploaded yet (becomes kPending).
   enum class LayerState { kPending, kCopying, kSnapshotted, kWritingLive, kDone, kAwaitingClient };
-  // Anonymous memory with transparent huge pages asked for (MADV_HUGEPAGE): a copy into fresh
-  // 4 KiB pages ran at ~7 GB/s on the H200 host (page faults), a copy of the whole state lands
-  // in the step after the checkpoint starts, so that rate was the stall.
+  // Anonymous memory, unmapped when freed.
   struct Unmap {
     size_t bytes;  // no initializer: a default member initializer makes unique_ptr's default
                    // constructor unusable inside this still-incomplete class
@@ -162,7 +169,13 @@ class Checkpointer {
     std::unique_ptr<float[], Unmap> data;  // master | m | v
     uint64_t numel = 0;
   };
-  static Snapshot AllocateSnapshot(uint64_t numel);
+  Snapshot AllocateSnapshot(uint64_t numel) const;
+  // A kept buffer for `numel` elements (empty when none); a buffer back to the kept ones (or
+  // freed when keep_snapshot_pool is off).
+  Snapshot TakeKeptLocked(uint64_t numel);
+  void KeepLocked(Snapshot s);
+  // Frees kept buffers until at most `bytes` are kept.
+  void TrimKeptLocked(uint64_t bytes);
 
   void Run();
   void RunCheckpoint(std::unique_lock<std::mutex>& lock);
@@ -182,6 +195,8 @@ class Checkpointer {
   std::string cancel_reason_;
   std::vector<LayerState> layers_;
   std::map<uint32_t, Snapshot> snapshots_;
+  std::multimap<uint64_t, Snapshot> kept_;  // by numel; buffers of earlier checkpoints
+  uint64_t kept_bytes_ = 0;
   uint64_t pool_used_ = 0;
   uint64_t pool_bytes_ = 0;    // the checkpoint in flight's room for copies
   int64_t wanted_layer_ = -1;  // the layer an update waits for

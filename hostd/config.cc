@@ -552,6 +552,13 @@ std::vector<KeyDescriptor> BuildKeys() {
       "least 4 GiB, free), else that much.",
       [](const HostdConfig& c) { return c.checkpoint.snapshot_pool_bytes; },
       [](HostdConfig& c, uint64_t v) { c.checkpoint.snapshot_pool_bytes = v; }));
+  k.push_back(BoolKey(
+      "checkpoint.keep_snapshot_pool", ckpt,
+      "Keep the snapshot pool's buffers allocated between checkpoints (up to the next one's pool "
+      "size): the next checkpoint copies into pages already faulted in, about 3x faster (the "
+      "stall of the step after its start). false: give them back after each checkpoint.",
+      [](const HostdConfig& c) { return c.checkpoint.keep_snapshot_pool; },
+      [](HostdConfig& c, bool v) { c.checkpoint.keep_snapshot_pool = v; }));
   k.push_back(StringFnKey(
       "checkpoint.resume", ckpt,
       "Start the job from this checkpoint (a checkpoint directory: its newest committed step; "

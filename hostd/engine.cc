@@ -720,17 +720,19 @@ absl::Status Engine::CreateJobLocked(slidedp::v1::JobSpec spec, LoadedModel mode
   Checkpointer::Options co;
   co.keep_last = config_.checkpoint.keep_last;
   co.snapshot_pool_bytes = config_.checkpoint.snapshot_pool_bytes;
+  co.keep_snapshot_pool = config_.checkpoint.keep_snapshot_pool;
   co.client_upload_timeout_ms =
       static_cast<int64_t>(config_.checkpoint.client_upload_timeout_s) * 1000;
   if (co.snapshot_pool_bytes == 0) {
     // Auto: room for the whole state when the host has it when the checkpoint starts (then no
     // update waits for the disk), keeping an eighth of MemAvailable (at least 4 GiB) free.
     const uint64_t state_bytes = 3 * sizeof(float) * state_->total_params();
-    co.snapshot_pool_at_start = [state_bytes] {
+    co.snapshot_pool_at_start = [state_bytes](uint64_t kept) {
       const uint64_t avail = MemAvailableBytes();
       if (avail == 0) return state_bytes;
+      // Buffers kept from the last checkpoint are not in MemAvailable, yet they are room.
       const uint64_t reserve = std::max<uint64_t>(uint64_t{4} << 30, avail / 8);
-      const uint64_t room = avail > reserve ? avail - reserve : 0;
+      const uint64_t room = avail + kept > reserve ? avail + kept - reserve : 0;
       const uint64_t pool = std::min(state_bytes, room);
       spdlog::info(
           "checkpoint snapshot pool: {:.2f} GiB (the state: {:.2f} GiB; MemAvailable "
@@ -1558,6 +1560,7 @@ absl::StatusOr<slidedp::v1::GetStatsResponse> Engine::GetStats(
   resp.set_checkpoint_layers_written_live(cs.layers_written_live);
   resp.set_checkpoint_pool_high_water_bytes(cs.pool_high_water_bytes);
   resp.set_checkpoint_layers_copied_by_writer(cs.layers_copied_by_writer);
+  resp.set_checkpoint_pool_kept_bytes(cs.pool_kept_bytes);
   return resp;
 }
 
