@@ -167,6 +167,11 @@ absl::StatusOr<Estimate> ComputeEstimate(const hostd::LoadedModel& model,
       machine.have_meminfo ? std::optional<uint64_t>(machine.mem_available) : std::nullopt,
       machine.have_meminfo ? absl::StrCat("MemAvailable ", FormatBytes(machine.mem_available))
                            : "/proc/meminfo unreadable"));
+  // Not in host_bytes: the auto pool is sized at each checkpoint's start from MemAvailable
+  // (the state's size when it fits with an eighth of MemAvailable left), so it never makes the
+  // start fail, but with checkpoint.keep_snapshot_pool it stays allocated between checkpoints.
+  f.push_back(Info("checkpoint_pool_bytes",
+                   "checkpoint snapshot pool, at most (kept between checkpoints)", state));
   f.push_back(
       Checked("gpus", "GPUs (ranks)", inputs.gpus,
               machine.nvidia_driver ? std::optional<uint64_t>(machine.gpus.size()) : std::nullopt,

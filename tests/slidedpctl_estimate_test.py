@@ -103,6 +103,9 @@ with tempfile.TemporaryDirectory() as tmp:
     check((rc == 0) == (doc["verdict"] == "OK"), "exit code matches the overall verdict")
 
     check(doc["inputs"]["nondecoder"] == "streamed", "inputs.nondecoder echoes the flag")
+    check(fig["checkpoint_pool_bytes"]["value"] == state and
+          fig["checkpoint_pool_bytes"]["verdict"] == "-",
+          "checkpoint snapshot pool: at most the state, shown, not checked")
     check("resident_bytes" not in fig, "streamed: no resident figure")
     check(fig["gpu_total_bytes"]["value"] == fig["window_bytes"]["value"] + act,
           "streamed: per-GPU total = window + activations")
