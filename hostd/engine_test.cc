@@ -525,11 +525,17 @@ TEST_F(EngineTest, CheckpointAwaitsTheClientLayersUploadedByRankZero) {
   EXPECT_EQ(complete, 1);
   EXPECT_TRUE(ur.all_complete());
   EXPECT_EQ(shm::Atomic(s->control().client_sync_step).load(), 0u);
-  for (int i = 0;
-       i < 300 && !std::filesystem::exists(dir_ / "ck" / "step-000000000001" / kCheckpointMarker);
-       ++i) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  // Committed and no longer in flight (the marker is written before the checkpointer is done:
+  // a new checkpoint in between is refused as "being written").
+  uint64_t committed = 0;
+  for (int i = 0; i < 3000 && committed == 0; ++i) {
+    grpc::ClientContext ctx;
+    v1::GetStatsResponse stats;
+    ASSERT_TRUE(stub_->GetStats(&ctx, v1::GetStatsRequest(), &stats).ok());
+    committed = stats.checkpoints_committed();
+    if (committed == 0) std::this_thread::sleep_for(std::chrono::milliseconds(10));
   }
+  ASSERT_EQ(committed, 1u);
   ASSERT_TRUE(std::filesystem::exists(dir_ / "ck" / "step-000000000001" / kCheckpointMarker));
   for (uint32_t layer : {0u, last}) {
     const std::vector<float> m = pattern(layer, 0), v = pattern(layer, 2);
