@@ -968,6 +968,7 @@ def parent_main(args):
     for s in systems:
         if s not in SYSTEMS:
             raise SystemExit(f"unknown system {s!r}; choose from {','.join(SYSTEMS)}")
+    plan = [parse_run_spec(spec) for spec in args.run]  # a bad spec fails before anything is written
     batches = sorted({int(b) for b in args.batches.split(",") if b.strip()})
     ckpt_filter = {"both": (True, False), "on": (True,), "off": (False,)}[args.ckpt]
     os.makedirs(args.out, exist_ok=True)
@@ -1030,7 +1031,6 @@ def parent_main(args):
     }
     write_outputs(report, json_path, png_path)
     if args.run:
-        plan = [parse_run_spec(spec) for spec in args.run]
         report["plan"] = args.run
         for system, ckpt, b, extra in plan:
             remaining = args.budget_s - (time.time() - t_begin) if args.budget_s else None
