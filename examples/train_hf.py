@@ -140,7 +140,7 @@ def cmd_train(a):
                                 checkpointing=a.checkpointing, accumulation_steps=a.accum,
                                 offload_ratio=a.offload_ratio,
                                 offload_min_bytes=a.offload_min_bytes,
-                                nondecoder=a.nondecoder,
+                                nondecoder=a.nondecoder, resident_layers=a.resident_layers,
                                 verify_init=not a.meta and not a.no_verify)
     dev = model.slidedp.backend.device if hasattr(model.slidedp.backend, "device") else "cpu"
     # A resumed job (hostd --resume) goes on at hostd's step, and so does the data.
@@ -224,6 +224,9 @@ def main():
                    help="initialize a torch.distributed process group first (torchrun)")
     t.add_argument("--nondecoder", default="auto", choices=["auto", "resident", "host"],
                    help="where embeddings, final norm and lm_head are updated (slidedp.attach)")
+    t.add_argument("--resident-layers", type=int, default=0,
+                   help="the first N decoder layers stay and are updated on the device "
+                        "(slidedp.attach resident_layers)")
     t.add_argument("--threads", type=int, default=0)
     t.add_argument("--meta", action="store_true", help="build the model on the meta device "
                    "(hostd's weights are used as they are)")

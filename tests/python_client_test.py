@@ -233,25 +233,28 @@ class PythonClientTest(unittest.TestCase):
                                      "2 ranks, no recompute, tied, 2 micro-batches")
 
     def test_two_ranks_resident_nondecoder(self):
-        """nondecoder="resident": embeddings, final norm and lm_head stay on the device and are
-        updated there (their gradients all-reduced over the process group); hostd updates only
-        the decoder layers and completes each step without them."""
+        """nondecoder="resident" and resident_layers=1: embeddings, the first decoder layer, the
+        final norm and lm_head stay on the device and are updated there (their gradients
+        all-reduced over the process group); hostd updates only the other decoder layers and
+        completes each step without them."""
         d = self.prepare("resident", "qwen3-tiny")
         sock, _, _ = self.start_hostd(d, 2, "r")
         # gloo: it all-reduces CUDA tensors too, and NCCL refuses two ranks on one GPU.
         per_rank, dump = self.run_ranks(sock, d, 2, "r", ["--checkpointing", "full",
                                                          "--nondecoder", "resident",
+                                                         "--resident-layers", "1",
                                                          "--dist-backend", "gloo"])
-        self.check_against_reference(d, per_rank, dump, "2 ranks, resident non-decoder layers")
-        # hostd ran every step without those layers' gradients (embedding 0, norm 5, lm_head 6
-        # of the 4-layer model) and says so.
+        self.check_against_reference(d, per_rank, dump,
+                                     "2 ranks, resident non-decoder layers and first layer")
+        # hostd ran every step without those layers' gradients (embedding 0, decoder layer 1,
+        # norm 5, lm_head 6 of the 4-layer model) and says so.
         ctl = os.path.join(os.path.dirname(HOSTD), "slidedpctl")  # a bundle's bin/
         if not os.path.exists(ctl):  # the build tree
             ctl = os.path.join(os.path.dirname(os.path.dirname(HOSTD)), "slidedpctl", "slidedpctl")
         out = subprocess.run([ctl, "--socket", sock, "status", "--json"], capture_output=True,
                              text=True, check=True).stdout
         job = json.loads(out)["job"]
-        self.assertEqual(job["client_updated_layers"], [0, 5, 6], out)
+        self.assertEqual(job["client_updated_layers"], [0, 1, 5, 6], out)
         self.assertEqual(int(job["step"]), STEPS, out)
 
     def test_resident_layers_checkpoint_and_resume(self):
@@ -467,6 +470,8 @@ class PythonClientTest(unittest.TestCase):
              {"checkpointing": 1.5}, "checkpointing: 1.5"),
             ("unknown nondecoder policy", lambda: model_of("qwen3-tiny"),
              {"nondecoder": "gpu"}, "nondecoder: 'gpu', expected 'auto', 'resident' or 'host'"),
+            ("more resident decoder layers than the model has", lambda: model_of("qwen3-tiny"),
+             {"resident_layers": 5}, "resident_layers: 5, expected an integer in [0, 4]"),
             ("memory budget not positive", lambda: model_of("qwen3-tiny"),
              {"memory_budget": -1}, "memory_budget: -1, expected a number of bytes > 0"),
             ("weights differ from hostd's", lambda: train_hf.build_model(

@@ -6,8 +6,10 @@
 #   bench/hf_head_to_head/acceptance_run.sh stall BUNDLE OUT   # a 4B python_client job checkpointed while it trains
 # h2h plan (in this order, so a budget cut drops the least needed runs): FSDP2 full recompute at
 # batch 16 and FSDP2's best (no recompute, batch 8); slidedp full recompute at batch 16 (window 40
-# slots) and its best (a quarter of the layers recomputed, batch 16); slidedp batch 8 (the
-# host-floor ratio) and FSDP2 + CPUOffloadPolicy batch 8.
+# slots, the first 6 decoder layers updated on the GPU: their host update was the exposed tail of
+# the step boundary) and its best (a quarter of the layers recomputed, batch 16, 4 resident
+# layers: less GPU memory is free there); slidedp batch 8 (the host-floor ratio: every decoder
+# layer host-updated) and FSDP2 + CPUOffloadPolicy batch 8.
 set -u
 WHAT=${1:?h2h or stall}; B=${2:?bundle}; OUT=${3:?out}
 export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
@@ -18,7 +20,8 @@ case "$WHAT" in
     timeout 585 python3 bench/hf_head_to_head/run.py --timeout 170 --budget-s 570 \
       --slidedp-opt bundle="$B" --slidedp-opt update_threads=12 --slidedp-opt max_pending_grads=16 \
       --run fsdp2:on:16 --run fsdp2:off:8 \
-      --run slidedp:on:16:window_slots=40 --run slidedp:off:16:checkpointing=0.25 \
+      --run slidedp:on:16:window_slots=40,resident_layers=6 \
+      --run slidedp:off:16:checkpointing=0.25,resident_layers=4 \
       --run slidedp:on:8:window_slots=40 --run fsdp2_offload:on:8 \
       --out "$OUT/h2h" >"$OUT/h2h.log" 2>&1
     echo "rc=$?" >>"$OUT/h2h.log"

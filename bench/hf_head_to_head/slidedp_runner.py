@@ -13,7 +13,8 @@ run_slidedp(cfg, batch, seq, steps, warmup, ckpt, **opts) -> dict
   opts: device, dry_run, seed, input_ids, lr, weight_decay, betas, eps, mark_phase, repo_root
   (from the harness) and, from --slidedp-opt KEY=VALUE: bundle (a deploy/bundle directory; default
   $SLIDEDP_BUNDLE, else REPO/.carry/bundle, else REPO/build), window_slots, prefetch,
-  offload_ratio, offload_min_bytes (activation offload, slidedp.attach),
+  offload_ratio, offload_min_bytes (activation offload, slidedp.attach), resident_layers (the
+  first N decoder layers updated on the device, slidedp.attach),
   update_threads (default: cores - 4), chunk_bytes, h2d_chunk_bytes, hostd_args (list of extra
   hostd flags; default ["--grad_route", "gpu_reduction"]).
 """
@@ -80,7 +81,8 @@ def run_slidedp(cfg, batch, seq, steps, warmup, ckpt, **opts):
         model.train()
         dev = opts.get("device", "cuda")
         kw = {k: opts[k] for k in ("window_slots", "prefetch", "h2d_chunk_bytes", "nondecoder",
-                                   "max_pending_grads", "offload_ratio", "offload_min_bytes")
+                                   "max_pending_grads", "offload_ratio", "offload_min_bytes",
+                                   "resident_layers")
               if k in opts}
         model, opt = slidedp.attach(model, hostd=sock, device=dev,
                                     checkpointing=opts.get("checkpointing", "full" if ckpt else "none"),

@@ -789,9 +789,10 @@ class StreamedRuntime:
         t0 = time.perf_counter()
         o = self.rank.optimizer(self.step)
         if o["clip"] == "global":
-            raise SlideDPError(9, "nondecoder='resident' cannot follow hostd's global gradient "
-                                  "clipping (the norm spans hostd's layers); use clip per_layer "
-                                  "or none, or nondecoder='host'")
+            raise SlideDPError(9, "resident layers (nondecoder='resident', resident_layers) "
+                                  "cannot follow hostd's global gradient clipping (the norm "
+                                  "spans hostd's layers); use clip per_layer or none, or "
+                                  "nondecoder='host' and resident_layers=0")
         world = self.rank.world_size
         nd = set(o["no_decay_tensors"]) if o["no_decay_norms_and_biases"] else set()
         lr, b1, b2, eps, t = o["lr"], o["beta1"], o["beta2"], o["eps"], self.step
@@ -974,8 +975,8 @@ def attach(model, hostd="unix:///run/slidedp/hostd.sock", *, rank=None, world_si
            device=None, job_id="", checkpointing="full", offload_ratio=0.0,
            offload_min_bytes=65536, accumulation_steps=1, window_slots=None, prefetch=2,
            h2d_chunk_bytes=0, param_route="replicated", max_pending_grads=4, verify_init=True,
-           time_waits=True, timeout_s=60, cpu_window=False, nondecoder="auto", process_group=None,
-           memory_budget=None, lib=None):
+           time_waits=True, timeout_s=60, cpu_window=False, nondecoder="auto", resident_layers=0,
+           process_group=None, memory_budget=None, lib=None):
     """Attaches an HF causal LM to hostd's job and returns (model, optimizer).
 
     hostd: its socket ("unix:///path" or a path). rank/world_size: default RANK/WORLD_SIZE
@@ -1007,6 +1008,12 @@ def attach(model, hostd="unix:///run/slidedp/hostd.sock", *, rank=None, world_si
     and updated by hostd like the decoder layers; their update is the last of the step, and the
     next forward starts by waiting for it. "auto": "resident" on CUDA with one rank or an
     initialized process group and a fresh job, else "host". See README (step-boundary drain).
+    resident_layers: how many of the first decoder layers (forward order) are kept and updated
+    on the compute device like nondecoder="resident" layers (FP32 master and moments there,
+    client_updated_layers, uploaded to hostd for its checkpoints), default 0. The next forward
+    needs the first layers first, and their gradients are the last of backward, so their host
+    update is the exposed tail of the step boundary; on the device it takes milliseconds. Each
+    costs about 18 bytes per parameter of device memory (master, moments, gradient, BF16 copy).
     memory_budget: bytes of device memory a training step's activations may use (default: what
     is free on a CUDA device when the first forward of an input shape runs; none on the CPU). A
     batch whose estimated activations exceed it is refused (RESOURCE_EXHAUSTED, naming the batch
@@ -1061,8 +1068,16 @@ def attach(model, hostd="unix:///run/slidedp/hostd.sock", *, rank=None, world_si
     if nondecoder == "auto":
         nondecoder = "resident" if device.type == "cuda" and (
             (world_size or 1) == 1 or pg_ready or process_group is not None) else "host"
-    resident = [i for i, l in enumerate(manifest_layers(cfg_json, lib))
+    mlayers = manifest_layers(cfg_json, lib)
+    dec_idx = [i for i, l in enumerate(mlayers) if l["kind"] == "LAYER_KIND_DECODER"]
+    if isinstance(resident_layers, bool) or not isinstance(resident_layers, int) or \
+            not 0 <= resident_layers <= len(dec_idx):
+        raise SlideDPError(3, f"resident_layers: {resident_layers!r}, expected an integer in "
+                              f"[0, {len(dec_idx)}] (how many of the model's {len(dec_idx)} "
+                              "decoder layers, from the first, stay on the device)")
+    resident = [i for i, l in enumerate(mlayers)
                 if l["kind"] != "LAYER_KIND_DECODER"] if nondecoder == "resident" else []
+    resident = sorted(resident + dec_idx[:resident_layers])
     try:
         rh = RankHandle(hostd, rank, mhash, gpu=device.index if device.type == "cuda" else -1,
                         job_id=job_id, timeout_ms=int(timeout_s * 1000), lib=lib,
@@ -1080,18 +1095,20 @@ def attach(model, hostd="unix:///run/slidedp/hostd.sock", *, rank=None, world_si
                                   f"(WORLD_SIZE/process group) but hostd's job expects "
                                   f"{rh.world_size}; start hostd with --world_size {world_size}")
         if resident and rh.next_step != 1 and not rh.client_layers_current():
-            raise SlideDPError(9, f"nondecoder='resident': hostd's job is at step "
-                                  f"{rh.next_step - 1} but its copy of the resident layers "
-                                  "(embeddings, norm, lm_head) is older: the ranks that trained "
-                                  "them held their state. Restart hostd from a checkpoint "
-                                  "(--resume DIR) to go on from it")
+            raise SlideDPError(9, f"resident layers {resident}: hostd's job is at step "
+                                  f"{rh.next_step - 1} but its copy of the layers the ranks "
+                                  "update (nondecoder='resident', resident_layers) is older: "
+                                  "the ranks that trained them held their state. Restart hostd "
+                                  "from a checkpoint (--resume DIR) to go on from it")
         pg = process_group
         if resident and rh.world_size > 1 and pg is None:
             if not pg_ready:
                 if "MASTER_ADDR" not in os.environ:
-                    raise SlideDPError(3, "nondecoder='resident' with several ranks all-reduces "
-                                          "their gradients: initialize a torch.distributed process "
-                                          "group, run under torchrun, or pass nondecoder='host'")
+                    raise SlideDPError(3, "resident layers (nondecoder='resident', resident_layers) "
+                                          "with several ranks all-reduce their gradients: "
+                                          "initialize a torch.distributed process group, run "
+                                          "under torchrun, or pass nondecoder='host' and "
+                                          "resident_layers=0")
                 torch.distributed.init_process_group(
                     "nccl" if device.type == "cuda" else "gloo", rank=rank,
                     world_size=rh.world_size)
@@ -1255,10 +1272,11 @@ def _attach(model, base, rh, device, mhash, s):
     model.forward = forward
     log.info("rank %d attached to %s: %d layers (%d decoder), %.2fB parameters, %s backend, "
              "window %d slots, grad route %s, checkpointing %s, non-decoder layers %s, "
-             "activation offload %s",
+             "resident decoder layers %d, activation offload %s",
              rh.rank, rh.socket, len(layers), len(decoders), rt.nparams / 1e9, backend.name,
              slots, rh.grad_route, s["checkpointing"],
-             "resident (device AdamW)" if s["resident"] else "host-updated",
+             "resident (device AdamW)" if any(layers[i].kind != "decoder" for i in s["resident"])
+             else "host-updated", sum(1 for i in s["resident"] if layers[i].kind == "decoder"),
              f"r={s['offload_ratio']:g}: decoder layers {sorted(offload.positions)}"
              if offload is not None else "off")
     return model, SlideDPOptimizer(rt)
