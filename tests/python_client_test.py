@@ -472,6 +472,9 @@ class PythonClientTest(unittest.TestCase):
              {"nondecoder": "gpu"}, "nondecoder: 'gpu', expected 'auto', 'resident' or 'host'"),
             ("more resident decoder layers than the model has", lambda: model_of("qwen3-tiny"),
              {"resident_layers": 5}, "resident_layers: 5, expected an integer in [0, 4]"),
+            ("every layer resident", lambda: model_of("qwen3-tiny"),
+             {"resident_layers": 4, "nondecoder": "resident"},
+             "leaves hostd no layer to update; expected at most 3"),
             ("memory budget not positive", lambda: model_of("qwen3-tiny"),
              {"memory_budget": -1}, "memory_budget: -1, expected a number of bytes > 0"),
             ("weights differ from hostd's", lambda: train_hf.build_model(

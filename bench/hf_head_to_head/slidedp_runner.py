@@ -91,7 +91,7 @@ def run_slidedp(cfg, batch, seq, steps, warmup, ckpt, **opts):
         cuda = dev != "cpu" and torch.cuda.is_available()
         if cuda:
             torch.cuda.reset_peak_memory_stats()
-        times, per_step, loss = [], [], None
+        times, per_step, loss, losses = [], [], None, []
         mark = opts.get("mark_phase")
         step_starts = []  # time.monotonic() at each step's start: hostd's update spans use it
         for i in range(warmup + steps):
@@ -101,6 +101,7 @@ def run_slidedp(cfg, batch, seq, steps, warmup, ckpt, **opts):
             t = time.perf_counter()
             loss = model(input_ids=x, labels=x).loss
             loss.backward()
+            losses.append(loss.detach())
             st = opt.step()
             if cuda:
                 torch.cuda.synchronize()
@@ -108,7 +109,10 @@ def run_slidedp(cfg, batch, seq, steps, warmup, ckpt, **opts):
             if i >= warmup:
                 times.append(dt)
                 per_step.append(st)
-        out = {"step_times": times, "loss": float(loss), "hostd_start_s": round(hostd_start_s, 2),
+        # Every step's loss, warmup included: the first is the initial weights' (equal for every
+        # setting of one hostd seed), the later ones show whether the settings train alike.
+        out = {"step_times": times, "loss": float(loss), "losses": [float(v) for v in losses],
+               "hostd_start_s": round(hostd_start_s, 2),
                "hostd_cmd": " ".join(cmd)}
         keys = ["param_fetch_wait_s", "param_slot_wait_s", "step_begin_wait_s", "push_wait_s",
                 "resident_update_s", "h2d_bytes", "d2h_bytes", "activation_offload_bytes",

@@ -42,6 +42,8 @@ def main():
     ap.add_argument("--lr", type=float, default=1e-4)
     ap.add_argument("--work", default="/tmp/slidedp-parity")
     ap.add_argument("--checkpointing", default="full")
+    ap.add_argument("--resident-layers", type=int, default=0,
+                    help="the first N decoder layers updated on the GPU (slidedp.attach)")
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
     os.makedirs(a.work, exist_ok=True)
@@ -70,7 +72,8 @@ def main():
         train_cmd = [py, os.path.join(ROOT, "examples", "train_hf.py"), "train", "--hostd", sock,
                      "--model", mdir, "--data", data, "--batch", str(a.batch), "--seq",
                      str(a.seq), "--steps", str(a.steps), "--device", "cuda", "--no-progress",
-                     "--checkpointing", a.checkpointing, "--loss-log", loss_log]
+                     "--checkpointing", a.checkpointing, "--loss-log", loss_log,
+                     "--resident-layers", str(a.resident_layers)]
         env = dict(os.environ, SLIDEDP_RANK_LIB=os.path.join(a.bundle, "lib",
                                                              "libslidedp_rank.so"))
         t1 = time.time()
@@ -94,7 +97,7 @@ def main():
         "what": "loss parity: slidedp through hostd vs GPU-resident torch AdamW (FP32 master)",
         "model": a.model,
         "batch": a.batch, "seq": a.seq, "steps": a.steps, "lr": a.lr,
-        "checkpointing": a.checkpointing,
+        "checkpointing": a.checkpointing, "resident_layers": a.resident_layers,
         "max_abs_dloss": max(diffs), "mean_abs_dloss": sum(diffs) / len(diffs),
         "argmax_step": diffs.index(max(diffs)) + 1,
         "first_loss": [ours[0]["loss"], ref_losses[0]], "last_loss": [ours[-1]["loss"],
@@ -109,7 +112,8 @@ def main():
         "reference": "tests/python_client_test.py reference(): FP32 master in "
                      "torch.optim.AdamW, BF16 compute on the GPU, whole batch in one process",
     }
-    path = os.path.join(a.out, f"parity_{a.model}.json")
+    tag = a.model + (f"_resident{a.resident_layers}" if a.resident_layers else "")
+    path = os.path.join(a.out, f"parity_{tag}.json")
     json.dump(res, open(path, "w"), indent=1)
     print(json.dumps({k: v for k, v in res.items() if not k.endswith("losses")}, indent=1))
     try:
@@ -128,7 +132,7 @@ def main():
         ax[1].set_xlabel("step")
         ax[1].legend()
         fig.suptitle(f"{a.model}, batch {a.batch}, seq {a.seq}: max |Δ| {max(diffs):.2e}")
-        fig.savefig(os.path.join(a.out, f"parity_{a.model}.png"), dpi=100)
+        fig.savefig(os.path.join(a.out, f"parity_{tag}.png"), dpi=100)
     except ImportError as e:
         print(f"no plot: {e}")
     print(f"total {time.time() - t0:.0f} s")

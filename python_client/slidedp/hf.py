@@ -1078,6 +1078,11 @@ def attach(model, hostd="unix:///run/slidedp/hostd.sock", *, rank=None, world_si
     resident = [i for i, l in enumerate(mlayers)
                 if l["kind"] != "LAYER_KIND_DECODER"] if nondecoder == "resident" else []
     resident = sorted(resident + dec_idx[:resident_layers])
+    if len(resident) == len(mlayers):
+        # hostd completes a step when the last of its layers is updated: it needs one.
+        raise SlideDPError(3, f"resident_layers: {resident_layers} with nondecoder='resident' "
+                              "leaves hostd no layer to update; expected at most "
+                              f"{len(dec_idx) - 1}, or nondecoder='host'")
     try:
         rh = RankHandle(hostd, rank, mhash, gpu=device.index if device.type == "cuda" else -1,
                         job_id=job_id, timeout_ms=int(timeout_s * 1000), lib=lib,
