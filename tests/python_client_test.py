@@ -429,6 +429,41 @@ class PythonClientTest(unittest.TestCase):
             train("w5", cpu_window=True, window_slots=4)
         self.assertIn("window_slots: 4, expected >= 6", str(cm.exception))
 
+    def test_meta_model_resident_layers_start_from_hostds_fp32_master(self):
+        """A meta model (hostd initializes the weights): the resident layers start from hostd's
+        FP32 master, like hostd's own layers, not from its BF16 copy (a master on the BF16 grid
+        leaves the BF16 weights unchanged until the updates add up to half a BF16 step: on the
+        H200 at lr 1e-5, 6 such layers of 36 ended 8 steps at loss 5.56 instead of 5.03)."""
+        if DEVICE != "cpu":
+            self.skipTest("runs in the CPU variant (python_client_test)")
+        import torch
+        import transformers
+        import slidedp
+        import train_hf
+        d = os.path.join(self.tmp, "meta")
+        train_hf.make_config("qwen3-tiny").save_pretrained(d)  # config only: hostd's init
+        sock, _, _ = self.start_hostd(d, 1, "m")
+        os.environ["SLIDEDP_RANK_LIB"] = LIB
+        cfg = transformers.AutoConfig.from_pretrained(d)
+        with torch.device("meta"):
+            model = transformers.AutoModelForCausalLM.from_config(cfg)
+        model, opt = slidedp.attach(model, hostd=sock, device="cpu", cpu_window=True,
+                                    nondecoder="resident", resident_layers=2,
+                                    verify_init=False)
+        rt = model.slidedp
+        resident = sorted(i for i, l in rt.layers.items() if l.resident)
+        self.assertEqual(resident, [0, 1, 2, 5, 6])  # embedding, decoders 1-2, norm, lm_head
+        for i in resident:
+            layer = rt.layers[i]
+            want = torch.empty(layer.numel, dtype=torch.float32)
+            rt.rank.read_client_layer(i, 0, 0, want.data_ptr(), layer.numel)
+            if layer.kind != "norm":  # a norm starts at ones
+                off_grid = want != want.bfloat16().float()
+                self.assertTrue(bool(off_grid.any()), f"layer {i}: hostd's init is on the grid")
+            self.assertTrue(torch.equal(layer.master, want), f"layer {i}: not hostd's master")
+            self.assertTrue(torch.equal(layer.flat, want.bfloat16()), f"layer {i}")
+        opt.close()
+
     def test_bad_input(self):
         """Each bad input fails in attach with a message naming what is wrong, and hostd's
         weights are untouched (a correct rank attaches afterwards and verifies them)."""
