@@ -195,6 +195,7 @@ Checkpointer::~Checkpointer() {
   }
   cv_.notify_all();
   writer_.join();
+  if (preparer_.joinable()) preparer_.join();  // stops after its current buffer
 }
 
 absl::Status Checkpointer::Start(const std::string& dir, uint64_t step, CheckpointInfo info,
@@ -313,16 +314,25 @@ CheckpointStats Checkpointer::stats() const {
 
 namespace {
 constexpr uint64_t kWriterCopyThreads = 4;
+#ifdef MADV_POPULATE_WRITE
+constexpr int kMadvPopulateWrite = MADV_POPULATE_WRITE;
+#else
+constexpr int kMadvPopulateWrite = 23;  // Linux 5.14; older kernels answer EINVAL
+#endif
 }  // namespace
 
 void Checkpointer::Unmap::operator()(float* p) const {
   if (p != nullptr) munmap(p, bytes);
 }
 
-Checkpointer::Snapshot Checkpointer::AllocateSnapshot(uint64_t numel) const {
+Checkpointer::Snapshot Checkpointer::AllocateSnapshot(uint64_t numel) {
   const size_t bytes = 3 * numel * sizeof(float);
   void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
   if (p == MAP_FAILED) throw std::bad_alloc();
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stats_.snapshot_buffers_allocated++;
+  }
   if (options_.snapshot_huge_pages) madvise(p, bytes, MADV_HUGEPAGE);  // best effort
   Snapshot snap;
   snap.data = std::unique_ptr<float[], Unmap>(static_cast<float*>(p), Unmap{bytes});
@@ -354,6 +364,79 @@ void Checkpointer::TrimKeptLocked(uint64_t bytes) {
     kept_.erase(it);
   }
   stats_.pool_kept_bytes = kept_bytes_;
+}
+
+void Checkpointer::PreparePool() {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (stop_ || !options_.keep_snapshot_pool || preparing_) return;
+  if (preparer_.joinable()) preparer_.join();  // done: preparing_ is false
+  preparing_ = true;
+  preparer_ = std::thread([this] { RunPrepare(); });
+}
+
+void Checkpointer::RunPrepare() {
+  std::unique_lock<std::mutex> lock(mu_);
+  struct Done {
+    bool& flag;
+    ~Done() { flag = false; }  // under mu_: `lock` is destroyed after this
+  } done{preparing_};
+  const uint64_t target = options_.snapshot_pool_at_start
+                              ? options_.snapshot_pool_at_start(kept_bytes_)
+                              : options_.snapshot_pool_bytes;
+  // Buffers already kept count for the layers of their size, highest layer first (the order
+  // the writer captures them in).
+  std::map<uint64_t, uint64_t> unclaimed;
+  for (const auto& [numel, snap] : kept_) unclaimed[numel]++;
+  std::vector<uint64_t> wanted;
+  uint64_t planned = kept_bytes_;
+  const auto& layers = state_->layers();
+  for (uint32_t l = static_cast<uint32_t>(layers.size()); l-- > 0;) {
+    const uint64_t numel = layers[l].numel;
+    if (auto it = unclaimed.find(numel); it != unclaimed.end() && it->second > 0) {
+      it->second--;
+      continue;
+    }
+    const uint64_t bytes = 3 * numel * sizeof(float);
+    if (numel == 0 || planned + bytes > target) continue;
+    planned += bytes;
+    wanted.push_back(numel);
+  }
+  if (wanted.empty()) return;
+  const auto t0 = Clock::now();
+  const long page = sysconf(_SC_PAGESIZE) > 0 ? sysconf(_SC_PAGESIZE) : 4096;
+  uint64_t prepared = 0;
+  for (uint64_t numel : wanted) {
+    if (stop_ || active_) break;  // a checkpoint takes what is ready
+    lock.unlock();
+    Snapshot snap;
+    try {
+      snap = AllocateSnapshot(numel);
+      // Fault every page in (the kernel zero-fills it): in one call where the kernel has
+      // MADV_POPULATE_WRITE (5.14), else one write per page.
+      const uint64_t n = 3 * numel * sizeof(float);
+      if (madvise(snap.data.get(), n, kMadvPopulateWrite) != 0) {
+        auto* bytes = reinterpret_cast<volatile char*>(snap.data.get());
+        for (uint64_t off = 0; off < n; off += static_cast<uint64_t>(page)) bytes[off] = 0;
+      }
+    } catch (const std::bad_alloc&) {
+      lock.lock();
+      spdlog::warn(
+          "checkpoint snapshot pool: preparing it stopped at {:.2f} GiB: no memory "
+          "for a buffer of {:.2f} GiB; the next checkpoint allocates the rest",
+          prepared / 1073741824.0, 3.0 * numel * sizeof(float) / 1073741824.0);
+      break;
+    }
+    lock.lock();
+    prepared += 3 * numel * sizeof(float);
+    KeepLocked(std::move(snap));
+  }
+  const double s = Seconds(t0, Clock::now());
+  stats_.pool_prepared_bytes += prepared;
+  stats_.pool_prepare_seconds += s;
+  if (prepared > 0) {
+    spdlog::info("checkpoint snapshot pool prepared: {:.2f} GiB in {:.2f} s ({:.2f} GiB kept)",
+                 prepared / 1073741824.0, s, kept_bytes_ / 1073741824.0);
+  }
 }
 
 void Checkpointer::BeforeLayerWrite(uint32_t layer, uint64_t step) {

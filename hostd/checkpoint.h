@@ -80,9 +80,12 @@ struct CheckpointStats {
   uint64_t layers_copied_by_writer = 0;  // copied into the pool by the writer
   uint64_t layers_written_live = 0;      // written straight from the live state
   uint64_t pool_high_water_bytes = 0;
-  uint64_t pool_kept_bytes = 0;  // snapshot buffers kept for the next checkpoint
-  double last_seconds = 0;       // request to commit, of the last committed checkpoint
-  double last_mb_per_s = 0;      // its layer bytes / its duration
+  uint64_t pool_kept_bytes = 0;             // snapshot buffers kept for the next checkpoint
+  uint64_t snapshot_buffers_allocated = 0;  // mmaps of snapshot buffers, since start
+  uint64_t pool_prepared_bytes = 0;         // of them, allocated ahead by PreparePool
+  double pool_prepare_seconds = 0;
+  double last_seconds = 0;   // request to commit, of the last committed checkpoint
+  double last_mb_per_s = 0;  // its layer bytes / its duration
   uint64_t last_stall_max_layer_wait_us = 0;
 };
 
@@ -142,6 +145,15 @@ class Checkpointer {
   // The layers the checkpoint in flight still awaits from the ranks (empty when none).
   std::vector<uint32_t> awaiting_client() const;
 
+  // Allocates and faults in the next checkpoint's snapshot pool (its size as Start would
+  // compute it now, highest layer first) on the writer thread, in the background, and keeps it
+  // (keep_snapshot_pool), so that the first checkpoint copies into warm pages like the later
+  // ones: fresh pages made the step after the capture point wait for the page faults. A thread
+  // of its own does it (one buffer at a time, one at a time). Stops
+  // when a checkpoint starts (which takes what is ready) or when the pool is ready. A failed
+  // allocation ends the preparation (logged); nothing else changes.
+  void PreparePool();
+
   // The update worker's hook: called before `layer`'s data is written for `step`.
   void BeforeLayerWrite(uint32_t layer, uint64_t step);
 
@@ -169,7 +181,7 @@ class Checkpointer {
     std::unique_ptr<float[], Unmap> data;  // master | m | v
     uint64_t numel = 0;
   };
-  Snapshot AllocateSnapshot(uint64_t numel) const;
+  Snapshot AllocateSnapshot(uint64_t numel);
   // A kept buffer for `numel` elements (empty when none); a buffer back to the kept ones (or
   // freed when keep_snapshot_pool is off).
   Snapshot TakeKeptLocked(uint64_t numel);
@@ -179,6 +191,7 @@ class Checkpointer {
 
   void Run();
   void RunCheckpoint(std::unique_lock<std::mutex>& lock);
+  void RunPrepare();
 
   TrainingState* const state_;
   ThreadPool* const pool_;
@@ -189,6 +202,7 @@ class Checkpointer {
   bool stop_ = false;
   // The checkpoint in flight (active_), guarded by mu_.
   bool active_ = false;
+  bool preparing_ = false;  // the preparer thread runs
   uint64_t step_ = 0;
   std::string dir_;
   CheckpointInfo info_;
@@ -206,7 +220,8 @@ class Checkpointer {
   CheckpointResult last_;
   int64_t last_unix_ms_ = 0;
   CheckpointStats stats_;
-  std::thread writer_;  // started by the constructor, joined by the destructor
+  std::thread writer_;    // started by the constructor, joined by the destructor
+  std::thread preparer_;  // PreparePool's, joined by the next PreparePool or the destructor
 };
 
 }  // namespace slidedp::hostd

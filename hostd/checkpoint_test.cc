@@ -189,6 +189,65 @@ TEST_F(CheckpointTest, KeepsSnapshotBuffersForTheNextCheckpointUpToItsPool) {
   }
 }
 
+// PreparePool allocates the next checkpoint's buffers ahead (highest layer first, up to the pool
+// the checkpoint would get now) and keeps them: the checkpoint then copies every layer into
+// them and allocates nothing. A pool too small for every layer gets the highest ones; without
+// keep_snapshot_pool nothing is prepared.
+TEST_F(CheckpointTest, PreparedPoolIsAllocatedAheadAndTheCheckpointAllocatesNothing) {
+  auto state = NewState(1);
+  const uint64_t state_bytes = 12 * state->total_params();
+  auto wait_prepared = [](Checkpointer& cp, uint64_t bytes) {
+    for (int i = 0; i < 2000 && cp.stats().pool_kept_bytes < bytes; ++i) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+    return cp.stats().pool_kept_bytes;
+  };
+  {
+    UpdateWorker worker(state.get(), pool_.get(), {kernels::BestIsa(), 8192}, Cfg());
+    Checkpointer::Options o;
+    o.keep_last = 0;
+    o.snapshot_pool_at_start = [&](uint64_t) { return state_bytes; };
+    Checkpointer full(state.get(), pool_.get(), o);
+    worker.SetBeforeWriteHook([&full](uint32_t l, uint64_t s) { full.BeforeLayerWrite(l, s); });
+    worker.Start();
+    full.PreparePool();
+    ASSERT_EQ(wait_prepared(full, state_bytes), state_bytes);
+    EXPECT_EQ(full.stats().snapshot_buffers_allocated, state->num_layers());
+    EXPECT_EQ(full.stats().pool_prepared_bytes, state_bytes);
+    full.PreparePool();  // nothing more to prepare
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    EXPECT_EQ(full.stats().snapshot_buffers_allocated, state->num_layers());
+    std::mt19937 rng(5);
+    Train(worker, *state, 2, rng);
+    const std::string sub = (dir_ / "prepared").string();
+    ASSERT_TRUE(full.Start(sub, 2, Describe(*state)).ok());
+    Train(worker, *state, 1, rng);
+    ASSERT_TRUE(full.Wait(2, 60000).ok());
+    const CheckpointStats st = full.stats();
+    EXPECT_EQ(st.layers_written_live, 0u);
+    EXPECT_EQ(st.layers_copied_by_writer + st.layers_snapshotted, state->num_layers());
+    EXPECT_EQ(st.snapshot_buffers_allocated, state->num_layers()) << "the checkpoint allocated";
+    EXPECT_EQ(st.pool_kept_bytes, state_bytes);
+    worker.Stop();
+  }
+  {
+    // A plain pool size with room for the highest layer only.
+    const uint32_t top = state->num_layers() - 1;
+    const uint64_t top_bytes = 12 * state->layers()[top].numel;
+    Checkpointer small(state.get(), pool_.get(),
+                       {.keep_last = 0, .snapshot_pool_bytes = top_bytes});
+    small.PreparePool();
+    EXPECT_EQ(wait_prepared(small, top_bytes), top_bytes);
+    Checkpointer off(
+        state.get(), pool_.get(),
+        {.keep_last = 0, .snapshot_pool_bytes = state_bytes, .keep_snapshot_pool = false});
+    off.PreparePool();
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    EXPECT_EQ(off.stats().snapshot_buffers_allocated, 0u);
+    EXPECT_EQ(off.stats().pool_kept_bytes, 0u);
+  }
+}
+
 TEST_F(CheckpointTest, IgnoresTmpAndUnmarkedDirectoriesAndPicksNewestValid) {
   auto state = NewState(1);
   Checkpointer cp(state.get(), pool_.get(), {.keep_last = 0});

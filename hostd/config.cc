@@ -559,6 +559,15 @@ std::vector<KeyDescriptor> BuildKeys() {
       "stall of the step after its start). false: give them back after each checkpoint.",
       [](const HostdConfig& c) { return c.checkpoint.keep_snapshot_pool; },
       [](HostdConfig& c, bool v) { c.checkpoint.keep_snapshot_pool = v; }));
+  k.push_back(BoolKey(
+      "checkpoint.prepare_snapshot_pool", ckpt,
+      "With checkpoint.dir set and keep_snapshot_pool on: allocate and fault in the snapshot "
+      "pool in the background after the job's first step (its size as the next checkpoint would "
+      "compute it then), so that the first checkpoint copies into warm pages too (fresh pages "
+      "made the step after the capture point wait for the page faults). false: the first "
+      "checkpoint allocates it.",
+      [](const HostdConfig& c) { return c.checkpoint.prepare_snapshot_pool; },
+      [](HostdConfig& c, bool v) { c.checkpoint.prepare_snapshot_pool = v; }));
   k.push_back(StringFnKey(
       "checkpoint.resume", ckpt,
       "Start the job from this checkpoint (a checkpoint directory: its newest committed step; "

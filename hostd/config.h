@@ -73,6 +73,7 @@ struct HostdConfig {
     uint32_t keep_last = 3;                  // 0: keep every checkpoint
     bool on_stop = true;                     // a clean stop writes a final checkpoint first
     bool keep_snapshot_pool = true;          // snapshot buffers stay for the next checkpoint
+    bool prepare_snapshot_pool = true;       // allocate the pool after the first step (dir set)
     uint64_t client_upload_timeout_s = 300;  // wait for the ranks' client-updated layers
     uint64_t snapshot_pool_bytes = 0;        // 0: auto (the state's size when MemAvailable allows)
     std::string resume;  // a checkpoint directory or step directory to start from

@@ -851,7 +851,7 @@ TEST(ConfigTest, KeyListAndEnvNames) {
                         "recovery_on_inconsistent"}) {
     EXPECT_NE(std::find(keys.begin(), keys.end(), k), keys.end()) << k;
   }
-  EXPECT_EQ(keys.size(), 45u);
+  EXPECT_EQ(keys.size(), 46u);
   EXPECT_EQ(ConfigEnvName("world_size"), "SLIDEDP_WORLD_SIZE");
   // A key of a TOML table: the dot becomes '_'.
   EXPECT_EQ(ConfigEnvName("metrics.listen"), "SLIDEDP_METRICS_LISTEN");

@@ -1244,6 +1244,13 @@ void Engine::OnLayerDone(const LayerUpdateResult& r) {
       if (state_->committed_version(l) < running_step_) state_->PublishLayer(l, running_step_);
     }
     steps_completed_++;
+    if (!pool_prepare_asked_ && !config_.checkpoint.dir.empty() &&
+        config_.checkpoint.prepare_snapshot_pool && config_.checkpoint.keep_snapshot_pool) {
+      // The ranks have attached and run a step (their own memory is allocated): the next
+      // checkpoint's pool can be set up now, off the step path.
+      pool_prepare_asked_ = true;
+      checkpointer_->PreparePool();
+    }
     MarkCompletedLocked(running_step_);
     last_step_update_seconds_ = step_update_seconds_;
     last_step_layers_ = std::move(step_layers_);

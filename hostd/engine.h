@@ -244,6 +244,7 @@ class Engine {
   std::string step_state_ ABSL_GUARDED_BY(mu_) = "idle";
   uint32_t layers_done_in_step_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t steps_completed_ ABSL_GUARDED_BY(mu_) = 0;
+  bool pool_prepare_asked_ ABSL_GUARDED_BY(mu_) = false;  // PreparePool asked (once)
   // Layers the attached ranks update themselves (AttachRankRequest.client_updated_layers),
   // ascending; `client_updated_[l]` per layer. Set by the rank that attaches when no other is
   // attached; the others must send the same set. They never get a gradient: the step completes when

@@ -11,7 +11,9 @@
 // median step without one; the checkpointer's counters.
 //   capture_bench [--layers 8] [--params-per-layer 16M] [--threads 0] [--steps 24] [--at 6]
 //                 [--checkpoints 2] [--pool 0 (auto: all of the state)] [--keep-pool on|off]
-//                 [--huge-pages on|off] [--dir DIR] [--out FILE]
+//                 [--huge-pages on|off] [--prepare on|off] [--dir DIR] [--out FILE]
+// --prepare on: Checkpointer::PreparePool after the first step, as hostd does with
+// checkpoint.prepare_snapshot_pool (the first checkpoint then finds its buffers faulted in).
 #include <sys/utsname.h>
 #include <unistd.h>
 
@@ -54,6 +56,7 @@ struct Args {
   uint32_t checkpoints = 2;  // the second one finds the first one's buffers kept
   bool keep_pool = true;
   bool huge_pages = false;
+  bool prepare = false;
   std::string dir;
   std::string out;
   std::string command;
@@ -76,7 +79,7 @@ int Usage(const char* why) {
   std::fprintf(stderr,
                "capture_bench: %s\nusage: capture_bench [--layers N] [--params-per-layer N[K|M|G]] "
                "[--threads N] [--steps N] [--at N] [--checkpoints N] [--pool BYTES[K|M|G]] "
-               "[--keep-pool on|off] [--huge-pages on|off] "
+               "[--keep-pool on|off] [--huge-pages on|off] [--prepare on|off] "
                "[--dir DIR] [--out FILE]\n",
                why);
   return 2;
@@ -182,6 +185,7 @@ int Run(const Args& a) {
       std::this_thread::sleep_for(std::chrono::microseconds(20));
     }
     const double ms = std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
+    if (step == 1 && a.prepare) cp.PreparePool();
     const bool flight = flight_before || cp.in_flight();
     recs.push_back({step, ms, flight ? static_cast<int>(cks.size()) - 1 : -1});
     std::fprintf(stderr, "step %3llu %8.1f ms%s\n", static_cast<unsigned long long>(step), ms,
@@ -242,6 +246,10 @@ int Run(const Args& a) {
   j.Key("snapshot_pool_bytes").Int(static_cast<int64_t>(co.snapshot_pool_bytes));
   j.Key("keep_snapshot_pool").Bool(a.keep_pool);
   j.Key("snapshot_huge_pages").Bool(a.huge_pages);
+  j.Key("prepare_snapshot_pool").Bool(a.prepare);
+  j.Key("pool_prepared_bytes").Int(static_cast<int64_t>(st.pool_prepared_bytes));
+  j.Key("pool_prepare_seconds").Number(st.pool_prepare_seconds);
+  j.Key("snapshot_buffers_allocated").Int(static_cast<int64_t>(st.snapshot_buffers_allocated));
   j.Key("median_step_ms_without").Number(med_without);
   j.Key("checkpoints").BeginArray();
   for (size_t c = 0; c < cks.size(); ++c) {
@@ -317,6 +325,8 @@ int main(int argc, char** argv) {
       a.keep_pool = v == "on";
     } else if (k == "--huge-pages" && (v == "on" || v == "off")) {
       a.huge_pages = v == "on";
+    } else if (k == "--prepare" && (v == "on" || v == "off")) {
+      a.prepare = v == "on";
     } else if (k == "--dir") {
       a.dir = v;
     } else if (k == "--out") {
