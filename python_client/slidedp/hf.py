@@ -1100,8 +1100,8 @@ def attach(model, hostd="unix:///run/slidedp/hostd.sock", *, rank=None, world_si
                                   f"{rh.world_size}; start hostd with --world_size {world_size}")
         if resident and rh.next_step != 1 and not rh.client_layers_current():
             raise SlideDPError(9, f"resident layers {resident}: hostd's job is at step "
-                                  f"{rh.next_step - 1} but its copy of the layers the ranks "
-                                  "update (nondecoder='resident', resident_layers) is older: "
+                                  f"{rh.next_step - 1} but its copy of the resident layers "
+                                  "(nondecoder='resident', resident_layers) is older: "
                                   "the ranks that trained them held their state. Restart hostd "
                                   "from a checkpoint (--resume DIR) to go on from it")
         pg = process_group
