@@ -24,7 +24,9 @@ std::vector<DoctorCheck> RunDoctor(const MachineInfo& m, bool is_root) {
     add("memory", kDoctorOk,
         absl::StrCat("MemTotal ", FormatBytes(m.mem_total), ", MemAvailable ",
                      FormatBytes(m.mem_available)),
-        "hostd needs about 14 B per parameter plus gradient rings; see 'slidedpctl estimate'.");
+        "hostd needs about 14 B per parameter plus gradient rings, and with checkpoints up to "
+        "12 B more for the snapshot pool (sized from MemAvailable, allocated after the first "
+        "step and kept); see 'slidedpctl estimate'.");
   } else {
     add("memory", kDoctorFail, "/proc/meminfo unreadable",
         "Run on Linux with /proc mounted; hostd sizes its state from host memory.");

@@ -169,9 +169,11 @@ absl::StatusOr<Estimate> ComputeEstimate(const hostd::LoadedModel& model,
                            : "/proc/meminfo unreadable"));
   // Not in host_bytes: the auto pool is sized at each checkpoint's start from MemAvailable
   // (the state's size when it fits with an eighth of MemAvailable left), so it never makes the
-  // start fail, but with checkpoint.keep_snapshot_pool it stays allocated between checkpoints.
+  // start fail, but with checkpoint.keep_snapshot_pool it stays allocated between checkpoints
+  // (and with checkpoint.prepare_snapshot_pool it is allocated after the job's first step).
   f.push_back(Info("checkpoint_pool_bytes",
-                   "checkpoint snapshot pool, at most (kept between checkpoints)", state));
+                   "checkpoint snapshot pool, at most (from the first step, with checkpoint.dir)",
+                   state));
   f.push_back(
       Checked("gpus", "GPUs (ranks)", inputs.gpus,
               machine.nvidia_driver ? std::optional<uint64_t>(machine.gpus.size()) : std::nullopt,
