@@ -9,7 +9,6 @@
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
-#include <new>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
@@ -225,8 +224,7 @@ absl::Status Checkpointer::Start(const std::string& dir, uint64_t step, Checkpoi
   }
   snapshots_.clear();
   pool_used_ = 0;
-  pool_bytes_ = options_.snapshot_pool_at_start ? options_.snapshot_pool_at_start(kept_bytes_)
-                                                : options_.snapshot_pool_bytes;
+  pool_bytes_ = PoolSizeLocked();
   TrimKeptLocked(pool_bytes_);
   wanted_layer_ = -1;
   started_ = Clock::now();
@@ -328,7 +326,7 @@ void Checkpointer::Unmap::operator()(float* p) const {
 Checkpointer::Snapshot Checkpointer::AllocateSnapshot(uint64_t numel) {
   const size_t bytes = 3 * numel * sizeof(float);
   void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-  if (p == MAP_FAILED) throw std::bad_alloc();
+  if (p == MAP_FAILED) return Snapshot{};
   {
     std::lock_guard<std::mutex> lock(mu_);
     stats_.snapshot_buffers_allocated++;
@@ -366,6 +364,24 @@ void Checkpointer::TrimKeptLocked(uint64_t bytes) {
   stats_.pool_kept_bytes = kept_bytes_;
 }
 
+uint64_t Checkpointer::PoolSizeLocked() const {
+  return options_.snapshot_pool_at_start ? options_.snapshot_pool_at_start(kept_bytes_)
+                                         : options_.snapshot_pool_bytes;
+}
+
+void Checkpointer::NoRoomLocked(uint32_t layer, uint64_t bytes) {
+  layers_[layer] = LayerState::kPending;
+  pool_used_ -= bytes;
+  pool_bytes_ = pool_used_;  // no more copies: the rest is written from the live state
+  stats_.snapshot_alloc_failures++;
+  spdlog::warn(
+      "checkpoint of step {}: no memory for a snapshot of layer {} ({:.2f} GiB); the pool stays "
+      "at {:.2f} GiB and the other layers are written from the live state (updates that need "
+      "them wait for the disk)",
+      step_, layer, bytes / 1073741824.0, pool_used_ / 1073741824.0);
+  cv_.notify_all();
+}
+
 void Checkpointer::PreparePool() {
   std::lock_guard<std::mutex> lock(mu_);
   if (stop_ || !options_.keep_snapshot_pool || preparing_) return;
@@ -380,9 +396,7 @@ void Checkpointer::RunPrepare() {
     bool& flag;
     ~Done() { flag = false; }  // under mu_: `lock` is destroyed after this
   } done{preparing_};
-  const uint64_t target = options_.snapshot_pool_at_start
-                              ? options_.snapshot_pool_at_start(kept_bytes_)
-                              : options_.snapshot_pool_bytes;
+  const uint64_t target = PoolSizeLocked();
   // Buffers already kept count for the layers of their size, highest layer first (the order
   // the writer captures them in).
   std::map<uint64_t, uint64_t> unclaimed;
@@ -408,17 +422,15 @@ void Checkpointer::RunPrepare() {
   for (uint64_t numel : wanted) {
     if (stop_ || active_) break;  // a checkpoint takes what is ready
     lock.unlock();
-    Snapshot snap;
-    try {
-      snap = AllocateSnapshot(numel);
-      // Fault every page in (the kernel zero-fills it): in one call where the kernel has
-      // MADV_POPULATE_WRITE (5.14), else one write per page.
-      const uint64_t n = 3 * numel * sizeof(float);
-      if (madvise(snap.data.get(), n, kMadvPopulateWrite) != 0) {
-        auto* bytes = reinterpret_cast<volatile char*>(snap.data.get());
-        for (uint64_t off = 0; off < n; off += static_cast<uint64_t>(page)) bytes[off] = 0;
-      }
-    } catch (const std::bad_alloc&) {
+    Snapshot snap = AllocateSnapshot(numel);
+    const uint64_t n = 3 * numel * sizeof(float);
+    // Fault every page in (the kernel zero-fills it): in one call where the kernel has
+    // MADV_POPULATE_WRITE (5.14), else one write per page.
+    if (snap.data && madvise(snap.data.get(), n, kMadvPopulateWrite) != 0) {
+      auto* bytes = reinterpret_cast<volatile char*>(snap.data.get());
+      for (uint64_t off = 0; off < n; off += static_cast<uint64_t>(page)) bytes[off] = 0;
+    }
+    if (!snap.data) {
       lock.lock();
       spdlog::warn(
           "checkpoint snapshot pool: preparing it stopped at {:.2f} GiB: no memory "
@@ -463,6 +475,11 @@ void Checkpointer::BeforeLayerWrite(uint32_t layer, uint64_t step) {
       // The copy runs on the update pool: the update of this layer is waiting for it anyway.
       const auto c0 = Clock::now();
       Snapshot snap = kept.data ? std::move(kept) : AllocateSnapshot(info.numel);
+      if (!snap.data) {
+        lock.lock();
+        NoRoomLocked(layer, bytes);
+        continue;  // waits for the writer, which writes this layer from the live state
+      }
       const float* src[3] = {state_->master(layer), state_->exp_avg(layer),
                              state_->exp_avg_sq(layer)};
       float* dst = snap.data.get();
@@ -562,6 +579,11 @@ void Checkpointer::RunCheckpoint(std::unique_lock<std::mutex>& lock) {
         Snapshot kept = TakeKeptLocked(n);
         lock.unlock();
         Snapshot copy = kept.data ? std::move(kept) : AllocateSnapshot(n);
+        if (!copy.data) {
+          lock.lock();
+          NoRoomLocked(l, 3 * n * sizeof(float));
+          continue;  // no room now: this layer and the rest are written from the live state
+        }
         // A few threads of its own (the update pool is the worker's): a single memcpy stream
         // does not reach the DRAM bandwidth, and every layer copied here is one the next
         // step's update need not copy itself.

@@ -83,6 +83,7 @@ struct CheckpointStats {
   uint64_t pool_kept_bytes = 0;             // snapshot buffers kept for the next checkpoint
   uint64_t snapshot_buffers_allocated = 0;  // mmaps of snapshot buffers, since start
   uint64_t pool_prepared_bytes = 0;         // of them, allocated ahead by PreparePool
+  uint64_t snapshot_alloc_failures = 0;     // a snapshot buffer got no memory (layer written live)
   double pool_prepare_seconds = 0;
   double last_seconds = 0;   // request to commit, of the last committed checkpoint
   double last_mb_per_s = 0;  // its layer bytes / its duration
@@ -146,12 +147,12 @@ class Checkpointer {
   std::vector<uint32_t> awaiting_client() const;
 
   // Allocates and faults in the next checkpoint's snapshot pool (its size as Start would
-  // compute it now, highest layer first) on the writer thread, in the background, and keeps it
-  // (keep_snapshot_pool), so that the first checkpoint copies into warm pages like the later
-  // ones: fresh pages made the step after the capture point wait for the page faults. A thread
-  // of its own does it (one buffer at a time, one at a time). Stops
-  // when a checkpoint starts (which takes what is ready) or when the pool is ready. A failed
-  // allocation ends the preparation (logged); nothing else changes.
+  // compute it now, highest layer first) on a thread of its own, in the background, and keeps
+  // it (keep_snapshot_pool), so that the first checkpoint copies into warm pages like the later
+  // ones: fresh pages made the step after the capture point wait for the page faults. Stops
+  // when a checkpoint starts (which takes what is ready) or when the pool is ready; a call while
+  // it runs does nothing. A failed allocation ends the preparation (logged); nothing else
+  // changes.
   void PreparePool();
 
   // The update worker's hook: called before `layer`'s data is written for `step`.
@@ -181,11 +182,17 @@ class Checkpointer {
     std::unique_ptr<float[], Unmap> data;  // master | m | v
     uint64_t numel = 0;
   };
+  // Empty when the host has no memory for it (mmap failed).
   Snapshot AllocateSnapshot(uint64_t numel);
+  // A capture got no memory for `layer`'s snapshot: the layer is pending again and the pool
+  // shrinks to what is in use, so the writer writes the rest from the live state.
+  void NoRoomLocked(uint32_t layer, uint64_t bytes);
   // A kept buffer for `numel` elements (empty when none); a buffer back to the kept ones (or
   // freed when keep_snapshot_pool is off).
   Snapshot TakeKeptLocked(uint64_t numel);
   void KeepLocked(Snapshot s);
+  // The room a checkpoint starting now gets (snapshot_pool_at_start or snapshot_pool_bytes).
+  uint64_t PoolSizeLocked() const;
   // Frees kept buffers until at most `bytes` are kept.
   void TrimKeptLocked(uint64_t bytes);
 

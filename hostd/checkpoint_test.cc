@@ -1,6 +1,8 @@
 #include "hostd/checkpoint.h"
 
 #include <fcntl.h>
+#include <malloc.h>
+#include <sys/resource.h>
 #include <unistd.h>
 
 #include <chrono>
@@ -247,6 +249,86 @@ TEST_F(CheckpointTest, PreparedPoolIsAllocatedAheadAndTheCheckpointAllocatesNoth
     EXPECT_EQ(off.stats().pool_kept_bytes, 0u);
   }
 }
+
+#if !defined(__SANITIZE_ADDRESS__) && !defined(__SANITIZE_THREAD__)
+// No memory for snapshot buffers (an address-space limit below one buffer, in a child process):
+// the preparation stops with nothing kept, and a checkpoint taken while training runs writes
+// every layer from the live state (updates wait for the disk), commits and restores exactly
+// version t. Before, the failed mmap threw std::bad_alloc and ended hostd.
+TEST_F(CheckpointTest, NoMemoryForSnapshotsWritesLiveAndCommits) {
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  auto make_state = [&](uint64_t seed) -> std::unique_ptr<TrainingState> {
+    TrainingState::Options so;
+    so.instance = UniqueInstance("ckmem");
+    so.model = SmallModel();
+    auto* big = so.model.manifest.add_layers();  // layer 2: 16M parameters, 192 MiB snapshot
+    big->set_name("block2");
+    big->set_kind(v1::LAYER_KIND_DECODER);
+    auto* t = big->add_tensors();
+    t->set_name("block2.proj.weight");
+    t->add_shape(4096);
+    t->add_shape(4096);
+    t->set_dtype(v1::DTYPE_BF16);
+    so.model.manifest.set_manifest_hash(ManifestHashHex(ManifestHash(so.model.manifest)));
+    so.seed = seed;
+    so.mlock = MlockPolicy::kOff;
+    auto created = TrainingState::Create(so, pool_.get());
+    if (!created.ok()) std::exit(10);
+    (*created)->set_remove_on_destroy(true);
+    return std::move(*created);
+  };
+  auto body = [&] {
+    std::unique_ptr<TrainingState> state = make_state(3);
+    UpdateWorker worker(state.get(), pool_.get(), {kernels::BestIsa(), 8192}, Cfg());
+    Checkpointer::Options o;
+    o.keep_last = 0;
+    o.snapshot_pool_bytes = 12 * state->total_params();
+    Checkpointer cp(state.get(), pool_.get(), o);
+    worker.SetBeforeWriteHook([&cp](uint32_t l, uint64_t s) { cp.BeforeLayerWrite(l, s); });
+    worker.Start();
+    std::mt19937 rng(3);
+    Train(worker, *state, 1, rng);
+    // Room for threads, the 64 MiB gradient of Train and small allocations (one malloc arena:
+    // each thread's own would reserve 64 MiB of address space), not for a 192 MiB buffer.
+    mallopt(M_ARENA_MAX, 1);
+    std::ifstream st("/proc/self/statm");
+    uint64_t vm_pages = 0;
+    st >> vm_pages;
+    rlimit old{};
+    if (getrlimit(RLIMIT_AS, &old) != 0) std::exit(11);
+    const rlim_t limit = vm_pages * sysconf(_SC_PAGESIZE) + (rlim_t{160} << 20);
+    const rlimit rl{limit, old.rlim_max};  // the soft limit only: raised again below
+    if (setrlimit(RLIMIT_AS, &rl) != 0) std::exit(11);
+    cp.PreparePool();
+    for (int i = 0;
+         i < 200 && cp.stats().snapshot_alloc_failures == 0 && cp.stats().pool_prepare_seconds == 0;
+         ++i) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    if (cp.stats().pool_prepared_bytes != 0 || cp.stats().pool_kept_bytes != 0) std::exit(12);
+    std::vector<uint64_t> at_t;
+    for (uint32_t l = 0; l < state->num_layers(); ++l) at_t.push_back(state->LayerChecksum(l));
+    const std::string sub = (dir_ / "nomem").string();
+    if (!cp.Start(sub, 1, Describe(*state)).ok()) std::exit(13);
+    Train(worker, *state, 1, rng);  // the update of layer 2 waits for its live write
+    if (!cp.Wait(1, 60000).ok()) std::exit(14);
+    worker.Stop();
+    if (setrlimit(RLIMIT_AS, &old) != 0) std::exit(11);
+    const CheckpointStats cs = cp.stats();
+    if (cs.snapshot_alloc_failures == 0 || cs.layers_written_live == 0) std::exit(15);
+    auto info = FindLatestCheckpoint(sub);
+    if (!info.ok() || info->step != 1) std::exit(16);
+    auto restored = make_state(99);
+    if (!RestoreCheckpoint(*info, restored.get(), pool_.get()).ok()) std::exit(17);
+    for (uint32_t l = 0; l < state->num_layers(); ++l) {
+      if (restored->LayerChecksum(l) != at_t[l]) std::exit(18);
+    }
+    std::exit(0);
+  };
+  EXPECT_EXIT(body(), ::testing::ExitedWithCode(0), "");
+}
+#endif
 
 TEST_F(CheckpointTest, IgnoresTmpAndUnmarkedDirectoriesAndPicksNewestValid) {
   auto state = NewState(1);
