@@ -76,14 +76,6 @@ class RankHandle:
         self.next_step = s.value
         self.layers = [self._layer(i) for i in range(self.num_layers)]
 
-    def client_layer_view(self, layer):
-        """(address, bytes) of a client-updated layer's BF16 parameters in hostd's mapping."""
-        ptr, n = ctypes.c_void_p(), ctypes.c_uint64()
-        check(self.lib, self.lib.slidedp_rank_client_layer_view(self.h, layer, ctypes.byref(ptr),
-                                                                ctypes.byref(n)),
-              f"viewing layer {layer}")
-        return ptr.value, n.value
-
     def optimizer(self, step):
         """hostd's optimizer settings with the LR of update `step` (a dict; see
         slidedp_rank_optimizer_json)."""
