@@ -277,7 +277,9 @@ TEST_F(CheckpointTest, NoMemoryForSnapshotsWritesLiveAndCommits) {
     (*created)->set_remove_on_destroy(true);
     return std::move(*created);
   };
-  auto body = [&] {
+  // Returns 0 or the number of the check that failed; every state is destroyed on return (its
+  // segments removed), which std::exit from inside would skip.
+  auto body = [&]() -> int {
     std::unique_ptr<TrainingState> state = make_state(3);
     UpdateWorker worker(state.get(), pool_.get(), {kernels::BestIsa(), 8192}, Cfg());
     Checkpointer::Options o;
@@ -295,10 +297,10 @@ TEST_F(CheckpointTest, NoMemoryForSnapshotsWritesLiveAndCommits) {
     uint64_t vm_pages = 0;
     st >> vm_pages;
     rlimit old{};
-    if (getrlimit(RLIMIT_AS, &old) != 0) std::exit(11);
+    if (getrlimit(RLIMIT_AS, &old) != 0) return 11;
     const rlim_t limit = vm_pages * sysconf(_SC_PAGESIZE) + (rlim_t{160} << 20);
     const rlimit rl{limit, old.rlim_max};  // the soft limit only: raised again below
-    if (setrlimit(RLIMIT_AS, &rl) != 0) std::exit(11);
+    if (setrlimit(RLIMIT_AS, &rl) != 0) return 11;
     cp.PreparePool();
     for (int i = 0;
          i < 200 && cp.stats().snapshot_alloc_failures == 0 && cp.stats().pool_prepare_seconds == 0;
@@ -306,27 +308,27 @@ TEST_F(CheckpointTest, NoMemoryForSnapshotsWritesLiveAndCommits) {
       std::this_thread::sleep_for(std::chrono::milliseconds(10));
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(50));
-    if (cp.stats().pool_prepared_bytes != 0 || cp.stats().pool_kept_bytes != 0) std::exit(12);
+    if (cp.stats().pool_prepared_bytes != 0 || cp.stats().pool_kept_bytes != 0) return 12;
     std::vector<uint64_t> at_t;
     for (uint32_t l = 0; l < state->num_layers(); ++l) at_t.push_back(state->LayerChecksum(l));
     const std::string sub = (dir_ / "nomem").string();
-    if (!cp.Start(sub, 1, Describe(*state)).ok()) std::exit(13);
+    if (!cp.Start(sub, 1, Describe(*state)).ok()) return 13;
     Train(worker, *state, 1, rng);  // the update of layer 2 waits for its live write
-    if (!cp.Wait(1, 60000).ok()) std::exit(14);
+    if (!cp.Wait(1, 60000).ok()) return 14;
     worker.Stop();
-    if (setrlimit(RLIMIT_AS, &old) != 0) std::exit(11);
+    if (setrlimit(RLIMIT_AS, &old) != 0) return 11;
     const CheckpointStats cs = cp.stats();
-    if (cs.snapshot_alloc_failures == 0 || cs.layers_written_live == 0) std::exit(15);
+    if (cs.snapshot_alloc_failures == 0 || cs.layers_written_live == 0) return 15;
     auto info = FindLatestCheckpoint(sub);
-    if (!info.ok() || info->step != 1) std::exit(16);
+    if (!info.ok() || info->step != 1) return 16;
     auto restored = make_state(99);
-    if (!RestoreCheckpoint(*info, restored.get(), pool_.get()).ok()) std::exit(17);
+    if (!RestoreCheckpoint(*info, restored.get(), pool_.get()).ok()) return 17;
     for (uint32_t l = 0; l < state->num_layers(); ++l) {
-      if (restored->LayerChecksum(l) != at_t[l]) std::exit(18);
+      if (restored->LayerChecksum(l) != at_t[l]) return 18;
     }
-    std::exit(0);
+    return 0;
   };
-  EXPECT_EXIT(body(), ::testing::ExitedWithCode(0), "");
+  EXPECT_EXIT(std::exit(body()), ::testing::ExitedWithCode(0), "");
 }
 #endif
 
