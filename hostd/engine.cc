@@ -1568,6 +1568,10 @@ absl::StatusOr<slidedp::v1::GetStatsResponse> Engine::GetStats(
   resp.set_checkpoint_pool_high_water_bytes(cs.pool_high_water_bytes);
   resp.set_checkpoint_layers_copied_by_writer(cs.layers_copied_by_writer);
   resp.set_checkpoint_pool_kept_bytes(cs.pool_kept_bytes);
+  resp.set_checkpoint_pool_prepared_bytes(cs.pool_prepared_bytes);
+  resp.set_checkpoint_pool_prepare_seconds(cs.pool_prepare_seconds);
+  resp.set_checkpoint_snapshot_alloc_failures(cs.snapshot_alloc_failures);
+  resp.set_checkpoint_snapshot_buffers_allocated(cs.snapshot_buffers_allocated);
   return resp;
 }
 

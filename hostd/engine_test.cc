@@ -458,15 +458,19 @@ TEST_F(EngineTest, CheckpointAwaitsTheClientLayersUploadedByRankZero) {
   run_step(1);
   // checkpoint.dir is set: after the first step hostd prepares the snapshot pool in the
   // background (checkpoint.prepare_snapshot_pool), the whole state on this small model.
-  uint64_t kept = 0;
-  for (int i = 0; i < 1000 && kept < 12 * s->total_params(); ++i) {
+  uint64_t kept = 0, prepared = 0, allocated = 0;
+  for (int i = 0; i < 1000 && prepared < 12 * s->total_params(); ++i) {
     grpc::ClientContext ctx;
     v1::GetStatsResponse stats;
     ASSERT_TRUE(stub_->GetStats(&ctx, v1::GetStatsRequest(), &stats).ok());
     kept = stats.checkpoint_pool_kept_bytes();
-    if (kept < 12 * s->total_params()) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    prepared = stats.checkpoint_pool_prepared_bytes();
+    allocated = stats.checkpoint_snapshot_buffers_allocated();
+    if (prepared < 12 * s->total_params()) std::this_thread::sleep_for(std::chrono::milliseconds(10));
   }
+  EXPECT_EQ(prepared, 12 * s->total_params());
   EXPECT_EQ(kept, 12 * s->total_params());
+  EXPECT_EQ(allocated, s->num_layers());  // one buffer per layer, none yet by a checkpoint
   auto upload = [&](uint64_t step, uint32_t layer, uint32_t part, uint64_t offset,
                     const std::vector<float>& data, const std::string& token,
                     v1::UploadClientLayerResponse* resp) {
