@@ -9,7 +9,9 @@
 //     copies the layer into a bounded snapshot pool (with the update pool's threads) and goes on;
 //   - a writer thread captures layers that have reached version t (committed >= t, not yet
 //     captured) into the pool with a memcpy, highest layer first (the order the next step
-//     updates them), while there is room; writes pooled layers to disk and frees their room;
+//     updates them) until the first update of step t + 1 reaches the hook, then lowest first
+//     (the other end from the updates, which copy what they reach themselves), while there is
+//     room; writes pooled layers to disk and frees their room;
 //     and, when the pool is full, writes a layer at version t straight from the live state;
 //   - when the pool has no room for a layer, or the writer is copying or writing that layer
 //     from the live state, the update waits: that wait is the checkpoint's stall
@@ -219,8 +221,9 @@ class Checkpointer {
   std::multimap<uint64_t, Snapshot> kept_;  // by numel; buffers of earlier checkpoints
   uint64_t kept_bytes_ = 0;
   uint64_t pool_used_ = 0;
-  uint64_t pool_bytes_ = 0;    // the checkpoint in flight's room for copies
-  int64_t wanted_layer_ = -1;  // the layer an update waits for
+  uint64_t pool_bytes_ = 0;       // the checkpoint in flight's room for copies
+  int64_t wanted_layer_ = -1;     // the layer an update waits for
+  bool next_step_begun_ = false;  // an update of step t + 1 has reached the hook
   std::chrono::steady_clock::time_point started_;
   // Results by step, for Wait.
   std::map<uint64_t, absl::StatusOr<CheckpointResult>> results_;

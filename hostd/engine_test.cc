@@ -466,7 +466,8 @@ TEST_F(EngineTest, CheckpointAwaitsTheClientLayersUploadedByRankZero) {
     kept = stats.checkpoint_pool_kept_bytes();
     prepared = stats.checkpoint_pool_prepared_bytes();
     allocated = stats.checkpoint_snapshot_buffers_allocated();
-    if (prepared < 12 * s->total_params()) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    if (prepared < 12 * s->total_params())
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
   }
   EXPECT_EQ(prepared, 12 * s->total_params());
   EXPECT_EQ(kept, 12 * s->total_params());

@@ -2,12 +2,14 @@
 # Checkpoint stall of a python_client job on a GPU (issue #6): hostd (random init from a
 # train_hf shape, --checkpoint.dir) and one GPU rank (examples/train_hf.py, resident embeddings:
 # the checkpoint asks rank 0 for them) train STEPS steps; after step AT a checkpoint is requested
-# (`slidedpctl checkpoint`, waiting for the commit in the background) while training goes on.
+# (`slidedpctl checkpoint`, waiting for the commit in the background) while training goes on;
+# AT may list several steps (20,120): one checkpoint after another.
 # Every step's end is timestamped as it appears in the rank's loss log; a step is "with" when a
 # checkpoint was in flight during any part of it.
 #   [DEVICE=cpu] bench/checkpoint/hf_checkpoint_stall.sh BUNDLE OUT [MODEL qwen3-4b] [BATCH 8] [STEPS 24] [AT 6] [CKDIR]
-# Writes OUT/stall.json (per-step times, medians with/without a checkpoint in flight, their
-# ratio, hostd's checkpoint counters, the rank's resident snapshot time), logs.
+# Writes OUT/stall.json (per-step times, medians and means with/without a checkpoint in flight
+# and their ratios, overall and per checkpoint, hostd's checkpoint counters, the rank's resident
+# snapshot time), logs.
 set -u
 B=${1:?bundle}; OUT=${2:?out}; MODEL=${3:-qwen3-4b}; BATCH=${4:-8}; STEPS=${5:-24}; AT=${6:-6}
 export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
@@ -22,11 +24,12 @@ while [ ! -S "$W/h.sock" ]; do
 done
 CTL="$B/bin/slidedpctl --socket $W/h.sock"
 : >"$OUT/steps.jsonl"
-# Watcher: timestamps each new step line; after step AT asks for a checkpoint and waits for it.
+# Watcher: timestamps each new step line; after step AT (each of a comma-separated list, one at
+# a time: the next is asked for after the previous committed) asks for a checkpoint and waits.
 python3 - "$OUT" "$AT" "$CTL" <<'PY' &
 import json, os, subprocess, sys, time
-out, at, ctl = sys.argv[1], int(sys.argv[2]), sys.argv[3].split()
-seen, ends, ck = 0, [], None
+out, ats, ctl = sys.argv[1], [int(a) for a in sys.argv[2].split(",")], sys.argv[3].split()
+seen, ends, cks = 0, [], []
 path = os.path.join(out, "steps.jsonl")
 while True:
     with open(path) as f:
@@ -35,19 +38,27 @@ while True:
     for ln in lines[seen:]:
         ends.append((json.loads(ln)["step"], now))
     seen = len(lines)
-    if ck is None and seen >= at:
-        t0 = time.time()
+    busy = cks and "committed" not in cks[-1]
+    if not busy and len(cks) < len(ats) and seen >= ats[len(cks)]:
+        # The disk may hold one checkpoint only (the H200 machine's 64 GiB, a 4B one is 45 GiB):
+        # the previous one is removed before the next is asked for.
+        for ck in cks:
+            for ln in ck.get("output", "").splitlines():
+                if ln.startswith("path "):
+                    subprocess.run(["rm", "-rf", ln.split(None, 1)[1]])
         p = subprocess.Popen(ctl + ["checkpoint", "--wait-s", "900"], stdout=subprocess.PIPE,
                              stderr=subprocess.STDOUT, text=True)
-        ck = {"requested": t0, "proc": p}
-    if ck is not None and "committed" not in ck and ck["proc"].poll() is not None:
-        ck["committed"] = time.time(); ck["rc"] = ck["proc"].returncode
-        ck["output"] = ck["proc"].stdout.read()
-    if os.path.exists(os.path.join(out, "train.done")) and (ck is None or "committed" in ck):
+        cks.append({"at_step": seen, "requested": time.time(), "proc": p})
+    for ck in cks:
+        if "committed" not in ck and ck["proc"].poll() is not None:
+            ck["committed"] = time.time(); ck["rc"] = ck["proc"].returncode
+            ck["output"] = ck["proc"].stdout.read()
+    if os.path.exists(os.path.join(out, "train.done")) and all("committed" in c for c in cks):
         break
     time.sleep(0.05)
-ck.pop("proc", None) if ck else None
-json.dump({"step_ends": ends, "checkpoint": ck}, open(os.path.join(out, "watch.json"), "w"))
+for ck in cks:
+    ck.pop("proc", None)
+json.dump({"step_ends": ends, "checkpoints": cks}, open(os.path.join(out, "watch.json"), "w"))
 PY
 WP=$!
 SLIDEDP_RANK_LIB=$B/lib/libslidedp_rank.so python3 examples/train_hf.py train --hostd "$W/h.sock" \
@@ -62,34 +73,47 @@ out, model, batch, cmd = sys.argv[1:5]
 w = json.load(open(os.path.join(out, "watch.json")))
 steps = [json.loads(l) for l in open(os.path.join(out, "steps.jsonl"))]
 ends = dict((s, t) for s, t in w["step_ends"])
-ck = w["checkpoint"] or {}
-t_req, t_end = ck.get("requested"), ck.get("committed")
+cks = w["checkpoints"]
 rows = []
 for s in steps:
     e = ends.get(s["step"])
     b = e - s["step_time_s"] if e else None
-    infl = bool(t_req and e and b is not None and b < t_end and e > t_req)
-    rows.append({"step": s["step"], "step_time_s": s["step_time_s"], "in_flight": infl,
-                 "resident_snapshot_s": s.get("resident_snapshot_s", 0.0)})
+    # The checkpoint in flight during any part of this step (index into cks; -1: none).
+    infl = -1
+    for i, ck in enumerate(cks):
+        t_req, t_end = ck.get("requested"), ck.get("committed")
+        if t_req and e and b is not None and t_end and b < t_end and e > t_req:
+            infl = i
+    rows.append({"step": s["step"], "step_time_s": s["step_time_s"], "in_flight": infl >= 0,
+                 "checkpoint": infl, "resident_snapshot_s": s.get("resident_snapshot_s", 0.0)})
 warm = [r for r in rows if r["step"] > 2]
 wi = [r["step_time_s"] for r in warm if r["in_flight"]]
 wo = [r["step_time_s"] for r in warm if not r["in_flight"]]
 st = json.load(open(os.path.join(out, "stats.json")))
-keys = [k for k in st if k.startswith("checkpoint") or "checkpoint" in k]
+keys = [k for k in st if "checkpoint" in k]
+def summary(xs):
+    return {"steps": len(xs), "median_step_s": statistics.median(xs) if xs else None,
+            "mean_step_s": statistics.mean(xs) if xs else None, "max_step_s": max(xs) if xs else None}
 res = {"benchmark": "hf_checkpoint_stall", "command": "bench/checkpoint/hf_checkpoint_stall.sh " + cmd,
        "machine": platform.node(), "model": model, "batch": int(batch), "seq": int(os.environ.get("SEQ", "1024")),
-       "checkpoint_seconds": (t_end - t_req) if t_end else None, "checkpoint_rc": ck.get("rc"),
-       "checkpoint_output": ck.get("output"),
        "steps_with_checkpoint": len(wi), "steps_without": len(wo),
        "median_step_s_with": statistics.median(wi) if wi else None,
        "median_step_s_without": statistics.median(wo) if wo else None,
        "mean_step_s_with": statistics.mean(wi) if wi else None,
        "mean_step_s_without": statistics.mean(wo) if wo else None,
-       "hostd": {k: st[k] for k in keys}, "steps": rows}
+       "checkpoints": [], "hostd": {k: st[k] for k in keys}, "steps": rows}
+for i, ck in enumerate(cks):
+    xs = [r["step_time_s"] for r in warm if r["checkpoint"] == i]
+    c = {"at_step": ck["at_step"], "rc": ck.get("rc"), "output": ck.get("output"),
+         "seconds": ck["committed"] - ck["requested"] if ck.get("committed") else None, **summary(xs)}
+    if xs and wo:
+        c["mean_ratio"] = c["mean_step_s"] / statistics.mean(wo)
+        c["median_ratio"] = c["median_step_s"] / statistics.median(wo)
+    res["checkpoints"].append(c)
 if wi and wo:
     res["median_ratio"] = res["median_step_s_with"] / res["median_step_s_without"]
     res["mean_ratio"] = res["mean_step_s_with"] / res["mean_step_s_without"]
 json.dump(res, open(os.path.join(out, "stall.json"), "w"), indent=1)
-print(json.dumps({k: v for k, v in res.items() if k not in ("steps", "checkpoint_output")}))
+print(json.dumps({k: v for k, v in res.items() if k != "steps"}))
 PY
 exit $rc

@@ -3,7 +3,7 @@
 # one device call (< 600 s). Run from the repository root on the GPU machine with a bundle
 # (python3 deploy/bundle --build build --out .carry/bundle --strip --with-bench --with-gpu-tests):
 #   bench/hf_head_to_head/acceptance_run.sh h2h   BUNDLE OUT   # one run.py invocation: every ratio side by side
-#   bench/hf_head_to_head/acceptance_run.sh stall BUNDLE OUT   # a 4B python_client job checkpointed while it trains
+#   bench/hf_head_to_head/acceptance_run.sh stall BUNDLE OUT   # a 4B python_client job checkpointed twice while it trains
 # h2h plan (in this order, so a budget cut drops the least needed runs): FSDP2 full recompute at
 # batch 16 and FSDP2's best (no recompute, batch 8); slidedp full recompute at batch 16 (window 40
 # slots, the first 6 decoder layers updated on the GPU: their host update was the exposed tail of
@@ -30,8 +30,10 @@ case "$WHAT" in
   stall)
     { cat /sys/kernel/mm/transparent_hugepage/enabled /sys/kernel/mm/transparent_hugepage/defrag; grep -E "MemTotal|MemAvailable" /proc/meminfo; } \
       >"$OUT/host.txt" 2>&1
-    # 110 steps of ~1 s: the 48 GB checkpoint (~94 s at ~0.5 GB/s) ends before training does.
-    timeout 560 bash bench/checkpoint/hf_checkpoint_stall.sh "$B" "$OUT/stall" qwen3-4b 8 110 8 \
+    # 230 steps of ~1.2 s, a checkpoint after step 20 and another after step 120 (each 48 GB,
+    # ~85 s at ~0.6 GB/s): the first finds the snapshot pool hostd prepared after step 1, the
+    # second the buffers the first kept (a service's every later checkpoint).
+    timeout 560 bash bench/checkpoint/hf_checkpoint_stall.sh "$B" "$OUT/stall" qwen3-4b 8 230 20,120 \
       >"$OUT/stall.log" 2>&1
     echo "rc=$?" >>"$OUT/stall.log"
     tail -3 "$OUT/stall.log" | cut -c1-2500
