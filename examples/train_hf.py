@@ -170,7 +170,7 @@ def cmd_train(a):
         stats = opt.step()
         opt.zero_grad()
         rec = dict(stats, step=first + step + 1, hostd_step=stats["step"], rank=rank,
-                   loss=sum(losses) / len(losses))
+                   loss=sum(losses) / len(losses), end_unix=time.time())
         if logf:
             logf.write(json.dumps(rec) + "\n")
             logf.flush()

@@ -198,6 +198,9 @@ absl::StatusOr<uint64_t> CheckpointDirWriter::WriteLayer(uint32_t layer, uint64_
   Trace("write", path);
   if (fsync(fd.get()) != 0) return ErrnoStatus("fsync " + path);
   Trace("fsync", path);
+  // The file is on disk and is read again only by a restore: its pages leave the page cache now
+  // (a checkpoint is as large as the state) instead of being reclaimed later under pressure.
+  posix_fadvise(fd.get(), 0, 0, POSIX_FADV_DONTNEED);
   RETURN_IF_ERROR(fd.Close(path));
   const uint64_t size = sizeof(h) + 3 * numel * sizeof(float);
   files_.push_back({name, layer, numel, size, hash});

@@ -4,8 +4,8 @@
 # the checkpoint asks rank 0 for them) train STEPS steps; after step AT a checkpoint is requested
 # (`slidedpctl checkpoint`, waiting for the commit in the background) while training goes on;
 # AT may list several steps (20,120): one checkpoint after another.
-# Every step's end is timestamped as it appears in the rank's loss log; a step is "with" when a
-# checkpoint was in flight during any part of it.
+# Every step's end is the rank's end_unix in its loss log; a step is "with" when a checkpoint was
+# in flight (from the request to the commit) during any part of it.
 #   [DEVICE=cpu] bench/checkpoint/hf_checkpoint_stall.sh BUNDLE OUT [MODEL qwen3-4b] [BATCH 8] [STEPS 24] [AT 6] [CKDIR]
 # Writes OUT/stall.json (per-step times, medians and means with/without a checkpoint in flight
 # and their ratios, overall and per checkpoint, hostd's checkpoint counters, the rank's resident
@@ -76,7 +76,9 @@ ends = dict((s, t) for s, t in w["step_ends"])
 cks = w["checkpoints"]
 rows = []
 for s in steps:
-    e = ends.get(s["step"])
+    # The rank's own clock at the step's end (train_hf's end_unix); the watcher's stamp (when it
+    # saw the line) where the log lacks it.
+    e = s.get("end_unix", ends.get(s["step"]))
     b = e - s["step_time_s"] if e else None
     # The checkpoint in flight during any part of this step (index into cks; -1: none).
     infl = -1
