@@ -425,11 +425,14 @@ absl::StatusOr<slidedp::v1::UploadClientLayerResponse> Engine::UploadClientLayer
     mu_.Lock();
     RETURN_IF_ERROR(CheckJob(r.job_id()));
   }
+  if (client_piece_copying_) {
+    return absl::FailedPreconditionError(
+        "UploadClientLayer: another piece is being written; rank 0 sends one piece at a time");
+  }
   if (client_upload_step_ != r.step()) {
     client_upload_step_ = r.step();
     client_received_.assign(state_->num_layers(), {0, 0, 0});
   }
-  uint64_t& received = client_received_[r.layer()][r.part()];
   const bool layer_was_complete = client_received_[r.layer()][0] == numel &&
                                   client_received_[r.layer()][1] == numel &&
                                   client_received_[r.layer()][2] == numel;
@@ -437,20 +440,37 @@ absl::StatusOr<slidedp::v1::UploadClientLayerResponse> Engine::UploadClientLayer
     return absl::AlreadyExistsError(
         absl::StrCat("layer ", r.layer(), " of version ", r.step(), " is uploaded already"));
   }
-  if (r.offset() != 0 && r.offset() != received) {
+  if (r.offset() != 0 && r.offset() != client_received_[r.layer()][r.part()]) {
     return absl::InvalidArgumentError(
-        absl::StrCat("offset: expected ", received,
+        absl::StrCat("offset: expected ", client_received_[r.layer()][r.part()],
                      " (or 0 to restart the part): the pieces of a part come "
                      "in order; got ",
                      r.offset()));
   }
+  // The copy (16 MiB, and the BF16 cast of a master piece) runs outside mu_: the update
+  // worker's OnLayerDone and SubmitGradient take mu_, and a checkpoint's upload of the resident
+  // layers (GiBs) under it delayed every update of the steps it overlapped. The layer is
+  // updated by the ranks, so no update touches it, and nothing reads it before it is complete
+  // (the checkpoint waits for ClientLayerReady; export and ReadClientLayer want a current copy,
+  // which an upload in progress is not).
+  client_piece_copying_ = true;
   float* dst = r.part() == 0   ? state_->master(r.layer())
                : r.part() == 1 ? state_->exp_avg(r.layer())
                                : state_->exp_avg_sq(r.layer());
+  mu_.Unlock();
   std::memcpy(dst + r.offset(), r.data().data(), count * sizeof(float));
   if (r.part() == 0) {
     kernels::CastFp32ToBf16(isa_, dst + r.offset(), state_->params(r.layer()) + r.offset(), count);
   }
+  mu_.Lock();
+  client_piece_copying_ = false;
+  if (client_upload_step_ != r.step()) {
+    // A piece of another version restarted the upload meanwhile: impossible while this one
+    // holds client_piece_copying_, kept as a guard.
+    return absl::AbortedError(
+        absl::StrCat("UploadClientLayer: the upload of version ", r.step(), " was restarted"));
+  }
+  uint64_t& received = client_received_[r.layer()][r.part()];
   received = r.offset() + count;
   slidedp::v1::UploadClientLayerResponse resp;
   const auto& rec = client_received_[r.layer()];

@@ -261,6 +261,8 @@ class Engine {
   // The upload in progress: its version and, per layer, elements received of master, m, v.
   uint64_t client_upload_step_ ABSL_GUARDED_BY(mu_) = 0;
   std::vector<std::array<uint64_t, 3>> client_received_ ABSL_GUARDED_BY(mu_);
+  // An UploadClientLayer piece is being copied into the state outside mu_ (one at a time).
+  bool client_piece_copying_ ABSL_GUARDED_BY(mu_) = false;
   uint64_t steps_aborted_ ABSL_GUARDED_BY(mu_) = 0;
   double last_step_update_seconds_ ABSL_GUARDED_BY(mu_) = 0;
   double step_update_seconds_ ABSL_GUARDED_BY(mu_) = 0;
