@@ -541,9 +541,14 @@ absl::StatusOr<slidedp::v1::CheckpointResponse> Engine::Checkpoint(
           "dir: no checkpoint directory: start hostd with --checkpoint.dir DIR (or [checkpoint] "
           "dir in its config), or name one in the request");
     }
-    // Version t: the running step's (its layers reach t as its updates land; none can start
-    // t + 1 before the capture), else the last completed step's (every layer is at it).
-    step = running_step_ != 0 ? running_step_ : next_step_ - 1;
+    // Version t: the newest step the ranks have begun (queued behind the running one, else the
+    // running one; its layers reach t as its updates land, and none can start t + 1 before its
+    // capture), else the last completed step's (every layer is at it). The newest, so that each
+    // layer can be captured from its update for t until its update for t + 1, a whole step
+    // later: a checkpoint of the step before a begun one must capture every layer before that
+    // step's updates, and those waited (the H200 stall run: the first step of a checkpoint
+    // took twice as long).
+    step = queued_step_ != 0 ? queued_step_ : running_step_ != 0 ? running_step_ : next_step_ - 1;
     RETURN_IF_ERROR(StartCheckpointLocked(dir, step));
     spdlog::info("checkpoint of step {} requested into {}", step, dir);
   }
@@ -1089,6 +1094,16 @@ void Engine::StartStepLocked(uint64_t step) {
   reducer_->Arm(step);
   shm::Atomic(state_->control().step_state)
       .store(static_cast<uint64_t>(shm::StepState::kRunning), std::memory_order_release);
+  const uint64_t every = config_.checkpoint.every_steps;
+  if (every > 0 && step % every == 0) {
+    // The checkpoint of version `step` starts with the step: each layer is captured after its
+    // update for this step, while the rest of the step and the next forward run, instead of
+    // all of them before the next step's updates.
+    absl::Status cs = StartCheckpointLocked(config_.checkpoint.dir, step);
+    if (!cs.ok()) {
+      spdlog::warn("checkpoint of step {} skipped: {}", step, std::string(cs.message()));
+    }
+  }
   slidedp::v1::SessionEvent ev;
   ev.mutable_step_begun()->set_step(step);
   BroadcastLocked(ev);
@@ -1282,14 +1297,6 @@ void Engine::OnLayerDone(const LayerUpdateResult& r) {
     shm::Atomic(cb.next_step).store(next_step_, std::memory_order_release);
     shm::Atomic(cb.step_state).store(static_cast<uint64_t>(shm::StepState::kIdle));
     ReconcileClientSyncLocked();
-    const uint64_t every = config_.checkpoint.every_steps;
-    if (every > 0 && next_step_ > 1 && (next_step_ - 1) % every == 0) {
-      // Every layer is at the completed step and none has begun the next: the capture point.
-      absl::Status cs = StartCheckpointLocked(config_.checkpoint.dir, next_step_ - 1);
-      if (!cs.ok())
-        spdlog::warn("checkpoint of step {} skipped: {}", next_step_ - 1,
-                     std::string(cs.message()));
-    }
     // A queued step starts the moment its predecessor completes: its ranks are already in it
     // (unless an export holds it: ExportHF starts it when done).
     if (queued_step_ != 0 && !export_active_) StartStepLocked(std::exchange(queued_step_, 0));

@@ -874,13 +874,14 @@ class OverlapTest : public ::testing::TestWithParam<v1::GradRoute> {
     }
   };
 
-  std::unique_ptr<Run> Start() {
+  std::unique_ptr<Run> Start(bool checkpoints = false) {
     auto run = std::make_unique<Run>();
     run->dir = std::filesystem::temp_directory_path() / testing::UniqueInstance("ovl");
     std::filesystem::create_directories(run->dir);
     HostdConfig c;
     c.instance = testing::UniqueInstance("ovl");
     c.socket = (run->dir / "hostd.sock").string();
+    if (checkpoints) c.checkpoint.dir = (run->dir / "ck").string();
     c.model = "none";
     c.update_threads = 1;
     c.mlock = "best_effort";
@@ -1031,6 +1032,45 @@ TEST_P(OverlapTest, NextStepBeginsAtOnceAndRunsWhenThePreviousCompletes) {
   EXPECT_EQ(st->Checksum(), reference);
   ASSERT_TRUE(WaitUntil([&] { return run->Job().step() == 2; }));
   EXPECT_EQ(run->Job().step_state(), "idle");
+  EXPECT_EQ(run->StepsAborted(), 0u);
+}
+
+// A checkpoint asked for while step 2 is queued behind step 1 is of version 2, the newest begun
+// step: each layer is then captured after its update for step 2, a step ahead of its update for
+// step 3, instead of every layer of version 1 before step 2's updates (which waited for them).
+TEST_P(OverlapTest, CheckpointAskedWithAQueuedStepIsOfTheQueuedStep) {
+  auto run = Start(/*checkpoints=*/true);
+  ASSERT_NE(run, nullptr);
+  rankclient::RankClient& c = *run->client;
+  Engine& e = *run->engine;
+  TrainingState* st = e.state();
+  const std::vector<float> g01 = Grad(0, 1, c.layer_numel(0)), g11 = Grad(1, 1, c.layer_numel(1));
+  const std::vector<float> g02 = Grad(0, 2, c.layer_numel(0)), g12 = Grad(1, 2, c.layer_numel(1));
+  {
+    WorkerGate gate;
+    ASSERT_TRUE(c.BeginStep(1, kWait).ok());
+    ASSERT_TRUE(Submit(e, 0, 1, g01, gate.Hold()).ok());
+    ASSERT_TRUE(e.WaitLayerVersion(0, 1, kWait).ok());
+    ASSERT_TRUE(Push(c, 1, 1, g11).ok());  // queued behind the held worker
+    ASSERT_TRUE(c.BeginStep(2, kWait).ok());
+    EXPECT_EQ(st->committed_version(1), 0u);  // step 1 is still running, step 2 queued
+    v1::CheckpointRequest req;
+    absl::StatusOr<v1::CheckpointResponse> asked = e.Checkpoint(req);
+    ASSERT_TRUE(asked.ok()) << asked.status();
+    EXPECT_EQ(asked->step(), 2u);
+    gate.Release();
+  }
+  ASSERT_TRUE(c.WaitStep(1, kWait).ok());
+  ASSERT_TRUE(Push(c, 2, 1, g12).ok());
+  ASSERT_TRUE(Push(c, 2, 0, g02).ok());
+  ASSERT_TRUE(c.WaitStep(2, kWait).ok());
+  ASSERT_TRUE(WaitUntil([&] {
+    auto stats = e.GetStats(v1::GetStatsRequest());
+    return stats.ok() && stats->checkpoints_committed() == 1;
+  }));
+  absl::StatusOr<CheckpointInfo> info = FindLatestCheckpoint((run->dir / "ck").string());
+  ASSERT_TRUE(info.ok()) << info.status();
+  EXPECT_EQ(info->step, 2u);
   EXPECT_EQ(run->StepsAborted(), 0u);
 }
 
