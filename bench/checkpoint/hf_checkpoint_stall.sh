@@ -88,9 +88,24 @@ for s in steps:
             infl = i
     rows.append({"step": s["step"], "step_time_s": s["step_time_s"], "in_flight": infl >= 0,
                  "checkpoint": infl, "resident_snapshot_s": s.get("resident_snapshot_s", 0.0)})
+# hostd prepares the snapshot pool after the first step (checkpoint.prepare_snapshot_pool): its
+# log line "checkpoint snapshot pool prepared: X GiB in S s" (local time) bounds that window. Steps
+# overlapping it are a one-time cost of checkpointing: reported apart, in neither baseline.
+import datetime, re
+prep = None
+for ln in open(os.path.join(out, "hostd.log")):
+    m = re.match(r"(\S+) \S+ hostd: checkpoint snapshot pool prepared: .* in ([0-9.]+) s", ln)
+    if m:
+        t1 = datetime.datetime.strptime(m.group(1), "%Y-%m-%dT%H:%M:%S.%f").timestamp()
+        prep = (t1 - float(m.group(2)), t1)
+        break
+for r, s in zip(rows, steps):
+    e = s.get("end_unix", ends.get(s["step"]))
+    r["preparing_pool"] = bool(prep and e and e - s["step_time_s"] < prep[1] and e > prep[0]
+                               and not r["in_flight"])
 warm = [r for r in rows if r["step"] > 2]
 wi = [r["step_time_s"] for r in warm if r["in_flight"]]
-wo = [r["step_time_s"] for r in warm if not r["in_flight"]]
+wo = [r["step_time_s"] for r in warm if not r["in_flight"] and not r["preparing_pool"]]
 st = json.load(open(os.path.join(out, "stats.json")))
 keys = [k for k in st if "checkpoint" in k]
 def summary(xs):
@@ -103,6 +118,8 @@ res = {"benchmark": "hf_checkpoint_stall", "command": "bench/checkpoint/hf_check
        "median_step_s_without": statistics.median(wo) if wo else None,
        "mean_step_s_with": statistics.mean(wi) if wi else None,
        "mean_step_s_without": statistics.mean(wo) if wo else None,
+       "pool_preparation": {"window_unix": prep,
+                            **summary([r["step_time_s"] for r in warm if r["preparing_pool"]])},
        "checkpoints": [], "hostd": {k: st[k] for k in keys}, "steps": rows}
 for i, ck in enumerate(cks):
     xs = [r["step_time_s"] for r in warm if r["checkpoint"] == i]
@@ -111,6 +128,17 @@ for i, ck in enumerate(cks):
     if xs and wo:
         c["mean_ratio"] = c["mean_step_s"] / statistics.mean(wo)
         c["median_ratio"] = c["median_step_s"] / statistics.median(wo)
+        # Step time the checkpoint added, against the run's steps without one.
+        c["excess_s"] = sum(xs) - len(xs) * statistics.mean(wo)
+        # The same against the steps without a checkpoint just around it (as many as it
+        # overlapped, before and after): the step time drifts over a run.
+        idx = [j for j, r in enumerate(warm) if r["checkpoint"] == i]
+        free = [j for j, r in enumerate(warm) if not r["in_flight"] and not r["preparing_pool"]]
+        before = [warm[j]["step_time_s"] for j in free if j < idx[0]][-len(xs):]
+        after = [warm[j]["step_time_s"] for j in free if j > idx[-1]][:len(xs)]
+        if before + after:
+            c["adjacent_steps"] = len(before + after)
+            c["mean_ratio_adjacent"] = c["mean_step_s"] / statistics.mean(before + after)
     res["checkpoints"].append(c)
 if wi and wo:
     res["median_ratio"] = res["median_step_s_with"] / res["median_step_s_without"]
