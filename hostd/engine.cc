@@ -243,7 +243,19 @@ void Engine::Shutdown(bool remove_state) {
   if (checkpointer_) {
     const uint64_t in_flight = checkpointer_->in_flight_step();
     if (in_flight != 0) {
-      spdlog::info("waiting for the checkpoint of step {} to commit", in_flight);
+      // A layer below the checkpoint's version now never reaches it: the checkpoint was of a
+      // step queued behind the one the stop aborted, which no rank will begin again.
+      bool reachable = state_ != nullptr;
+      for (uint32_t l = 0; reachable && l < state_->num_layers(); ++l) {
+        reachable = state_->committed_version(l) >= in_flight;
+      }
+      if (!reachable) {
+        spdlog::warn("the checkpoint of step {} is cancelled: hostd stops before that step ran",
+                     in_flight);
+        checkpointer_->Cancel(absl::StrCat("hostd is stopping before step ", in_flight, " ran"));
+      } else {
+        spdlog::info("waiting for the checkpoint of step {} to commit", in_flight);
+      }
       (void)checkpointer_->Wait(in_flight, kCheckpointWaitMs);
     }
     if (remove_state) FinalCheckpoint();

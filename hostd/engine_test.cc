@@ -1074,6 +1074,31 @@ TEST_P(OverlapTest, CheckpointAskedWithAQueuedStepIsOfTheQueuedStep) {
   EXPECT_EQ(run->StepsAborted(), 0u);
 }
 
+// hostd stopping while that queued step has not started: the stop aborts step 1 and drops step
+// 2, so no layer reaches version 2. The checkpoint of step 2 is cancelled (the stop used to wait
+// hours for it) and the clean stop's final checkpoint is of version 1.
+TEST_P(OverlapTest, StopCancelsACheckpointOfAQueuedStepThatNeverRan) {
+  auto run = Start(/*checkpoints=*/true);
+  ASSERT_NE(run, nullptr);
+  rankclient::RankClient& c = *run->client;
+  Engine& e = *run->engine;
+  const std::vector<float> g01 = Grad(0, 1, c.layer_numel(0));
+  ASSERT_TRUE(c.BeginStep(1, kWait).ok());
+  ASSERT_TRUE(Submit(e, 0, 1, g01).ok());
+  ASSERT_TRUE(e.WaitLayerVersion(0, 1, kWait).ok());
+  ASSERT_TRUE(c.BeginStep(2, kWait).ok());  // layer 1 of step 1 never comes: step 2 stays queued
+  absl::StatusOr<v1::CheckpointResponse> asked = e.Checkpoint(v1::CheckpointRequest());
+  ASSERT_TRUE(asked.ok()) << asked.status();
+  ASSERT_EQ(asked->step(), 2u);
+  auto stopped = std::async(std::launch::async, [&] { e.Shutdown(/*remove_state=*/true); });
+  ASSERT_EQ(stopped.wait_for(std::chrono::seconds(60)), std::future_status::ready)
+      << "the stop waits for a checkpoint of a step that never ran";
+  absl::StatusOr<CheckpointInfo> info = FindLatestCheckpoint((run->dir / "ck").string());
+  ASSERT_TRUE(info.ok()) << info.status();
+  EXPECT_EQ(info->step, 1u);  // the final checkpoint (step 1 aborted: its layers are at 1)
+  EXPECT_FALSE(std::filesystem::exists(run->dir / "ck" / CheckpointDirName(2)));
+}
+
 TEST_P(OverlapTest, AbortWithAQueuedStepDropsItAndItsRankBeginsItAgain) {
   auto run = Start();
   ASSERT_NE(run, nullptr);
