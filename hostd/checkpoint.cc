@@ -313,6 +313,16 @@ CheckpointStats Checkpointer::stats() const {
 
 namespace {
 constexpr uint64_t kWriterCopyThreads = 4;
+
+// fn(0) .. fn(kWriterCopyThreads - 1), each on a thread (part 0 on the caller's): the writer's
+// copies and the preparer's page faults, off the update pool, which is the worker's.
+template <typename Fn>
+void InParts(const Fn& fn) {
+  std::vector<std::thread> helpers;
+  for (uint64_t part = 1; part < kWriterCopyThreads; ++part) helpers.emplace_back(fn, part);
+  fn(uint64_t{0});
+  for (std::thread& t : helpers) t.join();
+}
 #ifdef MADV_POPULATE_WRITE
 constexpr int kMadvPopulateWrite = MADV_POPULATE_WRITE;
 #else
@@ -439,12 +449,7 @@ void Checkpointer::RunPrepare() {
         auto* bytes = reinterpret_cast<volatile char*>(base);
         for (uint64_t off = b; off < e; off += static_cast<uint64_t>(page)) bytes[off] = 0;
       };
-      std::vector<std::thread> helpers;
-      for (uint64_t part = 1; part < kWriterCopyThreads; ++part) {
-        helpers.emplace_back(fault_part, part);
-      }
-      fault_part(0);
-      for (std::thread& t : helpers) t.join();
+      InParts(fault_part);
     }
     if (!snap.data) {
       lock.lock();
@@ -578,19 +583,13 @@ void Checkpointer::RunCheckpoint(std::unique_lock<std::mutex>& lock) {
     int64_t pick = -1;
     if (wanted_layer_ >= 0 && ready(static_cast<uint32_t>(wanted_layer_))) {
       pick = wanted_layer_;
-    } else if (!next_step_begun_) {
-      for (uint32_t l = num_layers; l-- > 0;) {
-        if (ready(l)) {
-          pick = l;
-          break;
-        }
-      }
     } else {
-      // The next step's updates have begun, from the highest layer down, and copy the layers
-      // they reach themselves (with the update pool's threads): the writer takes the other end,
-      // so the two rarely want the same layer and an update waits for the writer's copy at most
-      // where they meet.
-      for (uint32_t l = 0; l < num_layers; ++l) {
+      // Highest first until the next step's updates begin; they go from the highest layer down
+      // and copy the layers they reach themselves (with the update pool's threads), so from
+      // then on the writer takes the other end, and an update waits for the writer's copy at
+      // most where the two meet.
+      for (uint32_t i = 0; i < num_layers; ++i) {
+        const uint32_t l = next_step_begun_ ? i : num_layers - 1 - i;
         if (ready(l)) {
           pick = l;
           break;
@@ -617,17 +616,12 @@ void Checkpointer::RunCheckpoint(std::unique_lock<std::mutex>& lock) {
         // step's update need not copy itself.
         const float* src[3] = {state_->master(l), state_->exp_avg(l), state_->exp_avg_sq(l)};
         float* dst = copy.data.get();
-        const uint64_t parts = kWriterCopyThreads;
-        auto copy_part = [&](uint64_t part) {
-          const uint64_t b = n * part / parts, e = n * (part + 1) / parts;
+        InParts([&](uint64_t part) {
+          const uint64_t b = n * part / kWriterCopyThreads, e = n * (part + 1) / kWriterCopyThreads;
           for (int k = 0; k < 3; ++k) {
             std::memcpy(dst + k * n + b, src[k] + b, (e - b) * sizeof(float));
           }
-        };
-        std::vector<std::thread> helpers;
-        for (uint64_t part = 1; part < parts; ++part) helpers.emplace_back(copy_part, part);
-        copy_part(0);
-        for (std::thread& t : helpers) t.join();
+        });
         lock.lock();
         snapshots_[l] = std::move(copy);
         layers_[l] = LayerState::kSnapshotted;

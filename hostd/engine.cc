@@ -475,13 +475,9 @@ absl::StatusOr<slidedp::v1::UploadClientLayerResponse> Engine::UploadClientLayer
     kernels::CastFp32ToBf16(isa_, dst + r.offset(), state_->params(r.layer()) + r.offset(), count);
   }
   mu_.Lock();
+  // Only this handler changes client_upload_step_ and client_received_, and no other piece got
+  // past the check above meanwhile.
   client_piece_copying_ = false;
-  if (client_upload_step_ != r.step()) {
-    // A piece of another version restarted the upload meanwhile: impossible while this one
-    // holds client_piece_copying_, kept as a guard.
-    return absl::AbortedError(
-        absl::StrCat("UploadClientLayer: the upload of version ", r.step(), " was restarted"));
-  }
   uint64_t& received = client_received_[r.layer()][r.part()];
   received = r.offset() + count;
   slidedp::v1::UploadClientLayerResponse resp;
