@@ -139,6 +139,9 @@ absl::Status RestoreCheckpoint(const CheckpointInfo& info, TrainingState* state,
     XXH3_64bits_reset(st);
     LayerFileHeader h{};
     absl::Status s = ReadExact(fd, &h, sizeof(h), path, st);
+    // The rest of the header block (zeros; hashed like every byte of the file).
+    std::vector<char> pad(LayerDataOffset(info.format) - sizeof(h));
+    if (s.ok() && !pad.empty()) s = ReadExact(fd, pad.data(), pad.size(), path, st);
     const uint32_t l = f.layer;
     for (float* dst : {state->master(l), state->exp_avg(l), state->exp_avg_sq(l)}) {
       if (s.ok()) s = ReadExact(fd, dst, f.numel * sizeof(float), path, st);
@@ -157,7 +160,7 @@ absl::Status RestoreCheckpoint(const CheckpointInfo& info, TrainingState* state,
           info.path, f.name, hash, f.xxh64));
     }
     if (std::memcmp(h.magic, kLayerFileMagic, sizeof(h.magic)) != 0 || h.layer != l ||
-        h.numel != f.numel || h.step != info.step) {
+        h.numel != f.numel || h.step != info.step || h.format != info.format) {
       return absl::DataLossError(absl::StrCat("checkpoint ", info.path, ": layer file ", f.name,
                                               " has a header that does not match meta.json"));
     }
@@ -192,6 +195,7 @@ Checkpointer::~Checkpointer() {
     stop_ = true;
     if (active_ && cancel_reason_.empty()) cancel_reason_ = "hostd is stopping";
   }
+  unpaced_ = true;
   cv_.notify_all();
   writer_.join();
   if (preparer_.joinable()) preparer_.join();  // stops after its current buffer
@@ -227,6 +231,8 @@ absl::Status Checkpointer::Start(const std::string& dir, uint64_t step, Checkpoi
   pool_bytes_ = PoolSizeLocked();
   TrimKeptLocked(pool_bytes_);
   wanted_layer_ = -1;
+  update_waiting_ = false;
+  unpaced_ = false;
   next_step_begun_ = false;
   started_ = Clock::now();
   results_.erase(step);
@@ -277,8 +283,11 @@ void Checkpointer::Cancel(const std::string& reason) {
     if (!active_) return;
     cancel_reason_ = reason;
   }
+  unpaced_ = true;  // the layer being written ends sooner, then the writer sees the reason
   cv_.notify_all();
 }
+
+void Checkpointer::Unpace() { unpaced_ = true; }
 
 bool Checkpointer::in_flight() const {
   std::lock_guard<std::mutex> lock(mu_);
@@ -526,6 +535,7 @@ void Checkpointer::BeforeLayerWrite(uint32_t layer, uint64_t step) {
     }
     waited = true;
     wanted_layer_ = layer;
+    update_waiting_ = true;
     cv_.notify_all();
     cv_.wait(lock);
   }
@@ -535,7 +545,10 @@ void Checkpointer::BeforeLayerWrite(uint32_t layer, uint64_t step) {
     stats_.last_stall_max_layer_wait_us =
         std::max<uint64_t>(stats_.last_stall_max_layer_wait_us, static_cast<uint64_t>(s * 1e6));
   }
-  if (wanted_layer_ == static_cast<int64_t>(layer)) wanted_layer_ = -1;
+  if (wanted_layer_ == static_cast<int64_t>(layer)) {
+    wanted_layer_ = -1;
+    update_waiting_ = false;
+  }
 }
 
 void Checkpointer::Run() {
@@ -565,6 +578,26 @@ void Checkpointer::RunCheckpoint(std::unique_lock<std::mutex>& lock) {
   }
   lock.lock();
   double write_s = 0;
+  // Pacing (max_write_bytes_per_s) of the writes from the pool: a token bucket whose credit,
+  // built up while the writer waits for layers, is at most a quarter second of writing. An
+  // update waiting for a layer, Unpace and Cancel lift it at once.
+  double paced_s = 0;
+  Clock::time_point due = Clock::now();
+  CheckpointDirWriter::LayerWrite paced;
+  if (options_.max_write_bytes_per_s > 0) {
+    paced.after_piece = [&](uint64_t bytes) {
+      const auto now = Clock::now();
+      due = std::max(due, now - std::chrono::milliseconds(250)) +
+            std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(
+                static_cast<double>(bytes) / static_cast<double>(options_.max_write_bytes_per_s)));
+      for (auto t = now; t < due && !unpaced_.load(std::memory_order_relaxed) &&
+                         !update_waiting_.load(std::memory_order_relaxed);
+           t = Clock::now()) {
+        std::this_thread::sleep_for(std::min<Clock::duration>(due - t, std::chrono::milliseconds(5)));
+      }
+      paced_s += Seconds(now, Clock::now());
+    };
+  }
   while (status.ok()) {
     if (!cancel_reason_.empty()) {
       status = absl::AbortedError(
@@ -670,7 +703,7 @@ void Checkpointer::RunCheckpoint(std::unique_lock<std::mutex>& lock) {
     absl::StatusOr<uint64_t> written;
     if (snap.data) {
       const float* d = snap.data.get();
-      written = writer->WriteLayer(l, snap.numel, d, d + snap.numel, d + 2 * snap.numel);
+      written = writer->WriteLayer(l, snap.numel, d, d + snap.numel, d + 2 * snap.numel, paced);
     } else {
       written = writer->WriteLayer(l, state_->layers()[l].numel, state_->master(l),
                                    state_->exp_avg(l), state_->exp_avg_sq(l));
@@ -710,10 +743,13 @@ void Checkpointer::RunCheckpoint(std::unique_lock<std::mutex>& lock) {
       spdlog::warn("checkpoint: pruning {}: {}", dir, p.status().ToString());
     }
   }
+  const uint64_t direct_bytes = writer ? writer->bytes_written_direct() : 0;
   writer.reset();  // removes the .tmp directory of a failed checkpoint
   lock.lock();
   const double total_s = Seconds(started_, Clock::now());
   stats_.write_seconds += write_s;
+  stats_.paced_seconds += paced_s;
+  stats_.bytes_written_direct += direct_bytes;
   if (committed.ok()) {
     CheckpointResult r;
     r.step = step;

@@ -31,6 +31,7 @@
 #pragma once
 
 #include <chrono>
+#include <atomic>
 #include <condition_variable>
 #include <cstdint>
 #include <functional>
@@ -86,6 +87,8 @@ struct CheckpointStats {
   uint64_t snapshot_buffers_allocated = 0;  // mmaps of snapshot buffers, since start
   uint64_t pool_prepared_bytes = 0;         // of them, allocated ahead by PreparePool
   uint64_t snapshot_alloc_failures = 0;     // a snapshot buffer got no memory (layer written live)
+  uint64_t bytes_written_direct = 0;        // of bytes_written, with O_DIRECT
+  double paced_seconds = 0;                 // the writer slept for max_write_bytes_per_s
   double pool_prepare_seconds = 0;
   double last_seconds = 0;   // request to commit, of the last committed checkpoint
   double last_mb_per_s = 0;  // its layer bytes / its duration
@@ -117,6 +120,11 @@ class Checkpointer {
     bool snapshot_huge_pages = false;
     // How long a checkpoint waits for ClientLayerReady of the layers it awaits from the ranks.
     int64_t client_upload_timeout_ms = 300000;
+    // Layer-file bytes per second a checkpoint writes at most while training runs (0: no
+    // limit). The write competes with the update for host memory bandwidth, so a slower write
+    // spreads that cost thinner over more steps. Not applied to a layer an update waits for,
+    // nor after Unpace (a stop, the final checkpoint).
+    uint64_t max_write_bytes_per_s = 0;
   };
   // `state` and `pool` must outlive the checkpointer; `pool` is used only inside
   // BeforeLayerWrite (on the update worker's thread).
@@ -141,6 +149,9 @@ class Checkpointer {
   absl::StatusOr<CheckpointResult> Wait(uint64_t step, int64_t timeout_ms);
   // Fails the checkpoint in flight (its .tmp directory is removed): e.g. the state is torn.
   void Cancel(const std::string& reason);
+  // The checkpoint in flight writes the rest at full speed (max_write_bytes_per_s no longer
+  // applies to it): someone waits for it (a stop, a final checkpoint).
+  void Unpace();
 
   // hostd's copy of a layer awaited from the ranks now holds version `step` (no-op for another
   // step, a layer not awaited, or no checkpoint in flight).
@@ -223,6 +234,9 @@ class Checkpointer {
   uint64_t pool_used_ = 0;
   uint64_t pool_bytes_ = 0;       // the checkpoint in flight's room for copies
   int64_t wanted_layer_ = -1;     // the layer an update waits for
+  // Read by the writer's pacing without mu_: an update waits (wanted_layer_ >= 0), Unpace.
+  std::atomic<bool> update_waiting_{false};
+  std::atomic<bool> unpaced_{false};
   bool next_step_begun_ = false;  // an update of step t + 1 has reached the hook
   std::chrono::steady_clock::time_point started_;
   // Results by step, for Wait.

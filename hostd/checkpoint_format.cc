@@ -10,9 +10,11 @@
 #include <cerrno>
 #include <charconv>
 #include <chrono>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <memory>
 #include <sstream>
 
 #include "absl/strings/str_cat.h"
@@ -24,7 +26,11 @@ namespace slidedp::hostd {
 namespace fs = std::filesystem;
 namespace {
 
-constexpr size_t kIoBytes = size_t{64} << 20;  // per write()/read() call
+constexpr size_t kIoBytes = size_t{64} << 20;  // per read() call
+// Per write() of layer data: small enough to stay in the cache between its hash and its write,
+// and to pace checkpoint.max_write_mb_per_s smoothly.
+constexpr uint64_t kPieceBytes = uint64_t{8} << 20;
+constexpr uint64_t kDirectAlign = 4096;  // O_DIRECT's alignment (covers 512-byte sectors too)
 constexpr std::string_view kStepPrefix = "step-";
 constexpr std::string_view kTmpSuffix = ".tmp";
 
@@ -175,22 +181,90 @@ void CheckpointDirWriter::Trace(std::string_view op, const std::string& path) co
 
 absl::StatusOr<uint64_t> CheckpointDirWriter::WriteLayer(uint32_t layer, uint64_t numel,
                                                          const float* master, const float* m,
-                                                         const float* v) {
+                                                         const float* v, const LayerWrite& how) {
   const std::string name = LayerFileName(layer);
   const std::string path = (fs::path(tmp_) / name).string();
-  Fd fd(open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644));
+  const uint64_t data_bytes = 3 * numel * sizeof(float);
+  const uint64_t block = LayerDataOffset(kCheckpointFormatVersion);
+  // O_DIRECT needs the buffer, the file offset and the length on block boundaries: the header
+  // block is one, a snapshot buffer is page-aligned, and only its last partial block goes
+  // through the page cache.
+  bool direct = m == master + numel && v == m + numel &&
+                reinterpret_cast<uintptr_t>(master) % kDirectAlign == 0 &&
+                data_bytes >= kDirectAlign;
+  constexpr int kFlags = O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC;
+  int raw = open(path.c_str(), kFlags | (direct ? O_DIRECT : 0), 0644);
+  if (raw < 0 && direct && errno == EINVAL) {  // a file system without O_DIRECT (tmpfs)
+    direct = false;
+    raw = open(path.c_str(), kFlags, 0644);
+  }
+  Fd fd(raw);
   if (fd.get() < 0) return ErrnoStatus("create " + path);
-  LayerFileHeader h{};
-  std::memcpy(h.magic, kLayerFileMagic, sizeof(h.magic));
-  h.format = kCheckpointFormatVersion;
-  h.layer = layer;
-  h.numel = numel;
-  h.step = step_;
+  auto set_direct = [&](bool on) -> absl::Status {
+    const int fl = fcntl(fd.get(), F_GETFL);
+    if (fl < 0 || fcntl(fd.get(), F_SETFL, on ? (fl | O_DIRECT) : (fl & ~O_DIRECT)) != 0) {
+      return ErrnoStatus("fcntl O_DIRECT " + path);
+    }
+    direct = on;
+    return absl::OkStatus();
+  };
   XXH3_state_t* st = XXH3_createState();
   XXH3_64bits_reset(st);
-  absl::Status s = WriteAll(fd.get(), &h, sizeof(h), path, st);
-  for (const float* a : {master, m, v}) {
-    if (s.ok()) s = WriteAll(fd.get(), a, numel * sizeof(float), path, st);
+  // Hashes the piece (which pulls it into the cache the write then reads from) and writes it
+  // whole; a file system that refuses an O_DIRECT write (EINVAL) gets the rest buffered.
+  auto put = [&](const void* data, size_t n) -> absl::Status {
+    XXH3_64bits_update(st, data, n);
+    const char* p = static_cast<const char*>(data);
+    while (n > 0) {
+      const ssize_t w = write(fd.get(), p, n);
+      if (w < 0) {
+        if (errno == EINTR) continue;
+        if (errno == EINVAL && direct) {
+          RETURN_IF_ERROR(set_direct(false));
+          continue;
+        }
+        return ErrnoStatus("write " + path);
+      }
+      if (direct) bytes_direct_ += static_cast<uint64_t>(w);
+      p += w;
+      n -= static_cast<size_t>(w);
+    }
+    return absl::OkStatus();
+  };
+  auto put_paced = [&](const void* data, uint64_t n) -> absl::Status {
+    const char* p = static_cast<const char*>(data);
+    for (uint64_t done = 0; done < n;) {
+      const uint64_t k = std::min<uint64_t>(kPieceBytes, n - done);
+      RETURN_IF_ERROR(put(p + done, k));
+      done += k;
+      if (how.after_piece) how.after_piece(k);
+    }
+    return absl::OkStatus();
+  };
+  absl::Status s;
+  {
+    LayerFileHeader h{};
+    std::memcpy(h.magic, kLayerFileMagic, sizeof(h.magic));
+    h.format = kCheckpointFormatVersion;
+    h.layer = layer;
+    h.numel = numel;
+    h.step = step_;
+    std::unique_ptr<char, decltype(&std::free)> head(
+        static_cast<char*>(std::aligned_alloc(kDirectAlign, block)), &std::free);
+    if (!head) return absl::ResourceExhaustedError("checkpoint: no memory for a header block");
+    std::memset(head.get(), 0, block);
+    std::memcpy(head.get(), &h, sizeof(h));
+    s = put(head.get(), block);
+  }
+  if (direct) {
+    const uint64_t whole = data_bytes / kDirectAlign * kDirectAlign;
+    if (s.ok()) s = put_paced(master, whole);
+    if (s.ok() && whole < data_bytes) s = set_direct(false);
+    if (s.ok()) s = put_paced(reinterpret_cast<const char*>(master) + whole, data_bytes - whole);
+  } else {
+    for (const float* a : {master, m, v}) {
+      if (s.ok()) s = put_paced(a, numel * sizeof(float));
+    }
   }
   const uint64_t hash = XXH3_64bits_digest(st);
   XXH3_freeState(st);
@@ -202,7 +276,7 @@ absl::StatusOr<uint64_t> CheckpointDirWriter::WriteLayer(uint32_t layer, uint64_
   // (a checkpoint is as large as the state) instead of being reclaimed later under pressure.
   posix_fadvise(fd.get(), 0, 0, POSIX_FADV_DONTNEED);
   RETURN_IF_ERROR(fd.Close(path));
-  const uint64_t size = sizeof(h) + 3 * numel * sizeof(float);
+  const uint64_t size = block + data_bytes;
   files_.push_back({name, layer, numel, size, hash});
   bytes_written_ += size;
   return size;
@@ -322,10 +396,10 @@ absl::StatusOr<CheckpointInfo> ReadCheckpointInfo(const std::string& step_dir) {
     return absl::DataLossError(absl::StrCat("checkpoint ", step_dir, ": ", kCheckpointMarker,
                                             " is malformed: '", marker.substr(0, 120), "'"));
   }
-  if (format != kCheckpointFormatVersion) {
-    return absl::InvalidArgumentError(absl::StrCat("checkpoint ", step_dir, ": format version ",
-                                                   format, "; this hostd reads format version ",
-                                                   kCheckpointFormatVersion));
+  if (format < kOldestCheckpointFormatRead || format > kCheckpointFormatVersion) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "checkpoint ", step_dir, ": format version ", format, "; this hostd reads format versions ",
+        kOldestCheckpointFormatRead, " to ", kCheckpointFormatVersion));
   }
   const uint64_t have_hash = Xxh3(*meta_text);
   if (have_hash != want_hash) {
@@ -342,10 +416,10 @@ absl::StatusOr<CheckpointInfo> ReadCheckpointInfo(const std::string& step_dir) {
           absl::StrCat("checkpoint ", step_dir, ": meta.json magic is not ", kCheckpointMagic));
     }
     info.format = meta.at("format_version").get<uint32_t>();
-    if (info.format != kCheckpointFormatVersion) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("checkpoint ", step_dir, ": format_version ", info.format,
-                       "; this hostd reads format version ", kCheckpointFormatVersion));
+    if (info.format != format) {
+      return absl::InvalidArgumentError(absl::StrCat("checkpoint ", step_dir, ": format_version ",
+                                                     info.format, " but ", kCheckpointMarker,
+                                                     " says format ", format));
     }
     info.step = meta.at("step").get<uint64_t>();
     info.job_id = meta.at("job_id").get<std::string>();
@@ -403,7 +477,7 @@ absl::StatusOr<CheckpointInfo> ReadCheckpointInfo(const std::string& step_dir) {
   for (size_t i = 0; i < info.files.size(); ++i) {
     const CheckpointFile& f = info.files[i];
     const std::string path = (fs::path(step_dir) / f.name).string();
-    const uint64_t want = sizeof(LayerFileHeader) + 3 * f.numel * sizeof(float);
+    const uint64_t want = LayerDataOffset(info.format) + 3 * f.numel * sizeof(float);
     if (f.layer != i || f.size_bytes != want) {
       return absl::DataLossError(absl::StrCat("checkpoint ", step_dir, ": meta.json entry of ",
                                               f.name, " is inconsistent (layer ", f.layer,
@@ -464,7 +538,7 @@ absl::Status VerifyCheckpointData(const CheckpointInfo& info) {
                                               Hex(f.xxh64), " (corrupted)"));
     }
     if (std::memcmp(h.magic, kLayerFileMagic, sizeof(h.magic)) != 0 || h.layer != f.layer ||
-        h.numel != f.numel || h.step != info.step || h.format != kCheckpointFormatVersion) {
+        h.numel != f.numel || h.step != info.step || h.format != info.format) {
       return absl::DataLossError(
           absl::StrCat("checkpoint ", info.path, ": layer file ", f.name,
                        " has a header that does not match meta.json (layer/numel/step)"));

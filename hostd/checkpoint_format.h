@@ -4,7 +4,11 @@
 //
 // A checkpoint of version t is the directory <dir>/step-<t>/ (t zero-padded to 12 digits, so
 // names sort by step) holding
-//   layer-<LLLLL>.bin  per layer: a 64-byte LayerFileHeader, then FP32 master, m, v (numel each)
+//   layer-<LLLLL>.bin  per layer: a 4096-byte header block (a 64-byte LayerFileHeader, then
+//                      zeros), then FP32 master, m, v (numel each). The data starts on a block
+//                      boundary so that a snapshot buffer (page-aligned master | m | v) goes to
+//                      disk with O_DIRECT, past the page cache. Format 1 (still read) had the
+//                      data right after the 64-byte header.
 //   meta.json          format version, job id, manifest hash, the JobSpec (manifest, optimizer
 //                      with the LR schedule, routes, seed, world size at save time), the model's
 //                      initializer_range / config.json, step t, and per file its size and xxh64
@@ -34,7 +38,8 @@
 
 namespace slidedp::hostd {
 
-inline constexpr uint32_t kCheckpointFormatVersion = 1;
+inline constexpr uint32_t kCheckpointFormatVersion = 2;   // what this hostd writes
+inline constexpr uint32_t kOldestCheckpointFormatRead = 1;  // it reads 1 .. kCheckpointFormatVersion
 inline constexpr char kCheckpointMagic[] = "slidedp-checkpoint";
 inline constexpr char kCheckpointMarker[] = "COMMITTED";
 inline constexpr char kCheckpointMeta[] = "meta.json";
@@ -49,6 +54,10 @@ struct LayerFileHeader {
   uint64_t reserved[4];
 };
 static_assert(sizeof(LayerFileHeader) == 64);
+// Where a layer file's data (master) starts: 64 in format 1, the 4096-byte block from format 2.
+inline constexpr uint64_t LayerDataOffset(uint32_t format) {
+  return format < 2 ? sizeof(LayerFileHeader) : 4096;
+}
 inline constexpr char kLayerFileMagic[8] = {'S', 'L', 'D', 'P', 'C', 'K', 'L', '1'};
 
 struct CheckpointFile {
@@ -141,9 +150,18 @@ class CheckpointDirWriter {
   CheckpointDirWriter(const CheckpointDirWriter&) = delete;
   CheckpointDirWriter& operator=(const CheckpointDirWriter&) = delete;
 
+  struct LayerWrite {
+    // Called after each piece of data is written, with its bytes; may sleep (the checkpointer
+    // paces its writes with it: checkpoint.max_write_mb_per_s). Null: no pacing.
+    std::function<void(uint64_t bytes)> after_piece;
+  };
   // Writes layer-<layer>.bin from the three arrays and fsyncs it; returns its size in bytes.
+  // When m and v follow master in one page-aligned block (a snapshot buffer), the block goes to
+  // disk with O_DIRECT (no page-cache copy, no dirty pages to write back or reclaim) where the
+  // file system takes it, else through the page cache.
   absl::StatusOr<uint64_t> WriteLayer(uint32_t layer, uint64_t numel, const float* master,
-                                      const float* m, const float* v);
+                                      const float* m, const float* v,
+                                      const LayerWrite& how = {});
 
   // Writes meta.json from `info` (step, files and total_bytes are filled here), then renames and
   // commits. Every layer 0..num_layers-1 of info.spec.manifest must have been written. Returns
@@ -152,6 +170,7 @@ class CheckpointDirWriter {
 
   uint64_t step() const { return step_; }
   uint64_t bytes_written() const { return bytes_written_; }
+  uint64_t bytes_written_direct() const { return bytes_direct_; }  // of those, with O_DIRECT
   const std::string& tmp_path() const { return tmp_; }
 
  private:
@@ -164,6 +183,7 @@ class CheckpointDirWriter {
   std::string final_;
   uint64_t step_ = 0;
   uint64_t bytes_written_ = 0;
+  uint64_t bytes_direct_ = 0;
   bool committed_ = false;
   std::vector<CheckpointFile> files_;
 };

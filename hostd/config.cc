@@ -537,6 +537,14 @@ std::vector<KeyDescriptor> BuildKeys() {
       "(client_updated_layers, e.g. python_client's resident embeddings) before it fails.",
       86400, [](const HostdConfig& c) { return c.checkpoint.client_upload_timeout_s; },
       [](HostdConfig& c, uint64_t v) { c.checkpoint.client_upload_timeout_s = v; }));
+  k.push_back(UintKey(
+      "checkpoint.max_write_mb_per_s", ckpt,
+      "Megabytes (10^6 B) per second a checkpoint taken while training runs writes at most; 0: "
+      "no limit. The write competes with the optimizer update for host memory bandwidth: a "
+      "slower write spreads that cost over more steps (the 4B H200 run: see README). A stop's "
+      "checkpoints and a layer an update waits for are written at full speed.",
+      1000000, [](const HostdConfig& c) { return c.checkpoint.max_write_mb_per_s; },
+      [](HostdConfig& c, uint64_t v) { c.checkpoint.max_write_mb_per_s = v; }));
   k.push_back(BoolKey(
       "checkpoint.on_stop", ckpt,
       "On a clean stop (SIGTERM/SIGINT) write a final checkpoint before removing the state "

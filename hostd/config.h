@@ -76,6 +76,7 @@ struct HostdConfig {
     bool prepare_snapshot_pool = true;       // allocate the pool after the first step (dir set)
     uint64_t client_upload_timeout_s = 300;  // wait for the ranks' client-updated layers
     uint64_t snapshot_pool_bytes = 0;        // 0: auto (the state's size when MemAvailable allows)
+    uint64_t max_write_mb_per_s = 0;         // pace of a checkpoint written while training runs
     std::string resume;  // a checkpoint directory or step directory to start from
   } checkpoint;
   // checkpoint|fresh|refuse: see hostd/recovery.h.

@@ -255,6 +255,7 @@ void Engine::Shutdown(bool remove_state) {
         checkpointer_->Cancel(absl::StrCat("hostd is stopping before step ", in_flight, " ran"));
       } else {
         spdlog::info("waiting for the checkpoint of step {} to commit", in_flight);
+        checkpointer_->Unpace();
       }
       (void)checkpointer_->Wait(in_flight, kCheckpointWaitMs);
     }
@@ -295,6 +296,7 @@ void Engine::FinalCheckpoint() {
   spdlog::info("writing the final checkpoint of step {} to {}", version, dir);
   absl::Status s = checkpointer_->Start(dir, version, std::move(info));
   if (absl::IsAlreadyExists(s)) return;
+  checkpointer_->Unpace();  // hostd is stopping: no training to spare
   absl::StatusOr<CheckpointResult> r = s.ok() ? checkpointer_->Wait(version, kCheckpointWaitMs)
                                               : absl::StatusOr<CheckpointResult>(s);
   if (!r.ok()) spdlog::error("final checkpoint failed: {}", r.status().ToString());
@@ -431,7 +433,9 @@ absl::StatusOr<slidedp::v1::UploadClientLayerResponse> Engine::UploadClientLayer
     }
     const uint64_t in_flight = checkpointer_->in_flight_step();
     if (in_flight == 0) break;
-    // A checkpoint may still read the layers from the live state: let it finish first.
+    // A checkpoint may still read the layers from the live state: let it finish first (at
+    // full speed: the rank waits).
+    checkpointer_->Unpace();
     mu_.Unlock();
     (void)checkpointer_->Wait(in_flight, kCheckpointWaitMs);
     mu_.Lock();
@@ -756,6 +760,7 @@ absl::Status Engine::CreateJobLocked(slidedp::v1::JobSpec spec, LoadedModel mode
   co.keep_snapshot_pool = config_.checkpoint.keep_snapshot_pool;
   co.client_upload_timeout_ms =
       static_cast<int64_t>(config_.checkpoint.client_upload_timeout_s) * 1000;
+  co.max_write_bytes_per_s = config_.checkpoint.max_write_mb_per_s * 1000000;
   if (co.snapshot_pool_bytes == 0) {
     // Auto: room for the whole state when the host has it when the checkpoint starts (then no
     // update waits for the disk), keeping an eighth of MemAvailable (at least 4 GiB) free.
@@ -1607,6 +1612,8 @@ absl::StatusOr<slidedp::v1::GetStatsResponse> Engine::GetStats(
   resp.set_checkpoint_pool_prepare_seconds(cs.pool_prepare_seconds);
   resp.set_checkpoint_snapshot_alloc_failures(cs.snapshot_alloc_failures);
   resp.set_checkpoint_snapshot_buffers_allocated(cs.snapshot_buffers_allocated);
+  resp.set_checkpoint_bytes_written_direct(cs.bytes_written_direct);
+  resp.set_checkpoint_paced_seconds(cs.paced_seconds);
   return resp;
 }
 

@@ -7,6 +7,10 @@
 # Every step's end is the rank's end_unix in its loss log; a step is "with" when a checkpoint was
 # in flight (from the request to the commit) during any part of it.
 #   [DEVICE=cpu] bench/checkpoint/hf_checkpoint_stall.sh BUNDLE OUT [MODEL qwen3-4b] [BATCH 8] [STEPS 24] [AT 6] [CKDIR]
+# MAX_WRITE_MB=N passes --checkpoint.max_write_mb_per_s N to hostd (default 0: no limit).
+# The watcher also samples the host once a second (/proc/stat CPU busy, /proc/schedstat run-queue
+# wait summed over CPUs, /proc/vmstat reclaim scans, /proc/meminfo Dirty/Writeback): stall.json's
+# "host" gives their rates with and without a checkpoint in flight.
 # Writes OUT/stall.json (per-step times, medians and means with/without a checkpoint in flight
 # and their ratios, overall and per checkpoint, hostd's checkpoint counters, the rank's resident
 # snapshot time), logs.
@@ -17,7 +21,7 @@ W=$(mktemp -d); CK=${7:-$W/ck}; mkdir -p "$OUT" "$CK"
 python3 examples/train_hf.py prepare "$W" --model "$MODEL" --config-only >/dev/null
 "$B/bin/hostd" --model "$W" --socket "$W/h.sock" --instance "ckst$$" --mlock best_effort \
   --update_threads $(( $(nproc) > 5 ? $(nproc) - 4 : 1 )) --checkpoint.dir "$CK" --checkpoint.keep_last 1 \
-  --checkpoint.on_stop false --grad_route "${ROUTE:-gpu_reduction}" >"$OUT/hostd.log" 2>&1 &
+  --checkpoint.on_stop false --checkpoint.max_write_mb_per_s "${MAX_WRITE_MB:-0}" --grad_route "${ROUTE:-gpu_reduction}" >"$OUT/hostd.log" 2>&1 &
 HP=$!
 while [ ! -S "$W/h.sock" ]; do
   sleep 0.5; kill -0 $HP 2>/dev/null || { echo "hostd exited"; tail -5 "$OUT/hostd.log"; exit 1; }
@@ -29,9 +33,38 @@ CTL="$B/bin/slidedpctl --socket $W/h.sock"
 python3 - "$OUT" "$AT" "$CTL" <<'PY' &
 import json, os, subprocess, sys, time
 out, ats, ctl = sys.argv[1], [int(a) for a in sys.argv[2].split(",")], sys.argv[3].split()
-seen, ends, cks = 0, [], []
+seen, ends, cks, host = 0, [], [], []
 path = os.path.join(out, "steps.jsonl")
+def sample():
+    # Each source on its own: a kernel without schedstats has no /proc/schedstat.
+    h = {"t": time.time()}
+    try:
+        cpu = open("/proc/stat").readline().split()[1:]
+        h["busy_jiffies"] = sum(int(x) for i, x in enumerate(cpu[:8]) if i not in (3, 4))
+    except (OSError, ValueError):
+        pass
+    try:
+        h["runq_wait_ns"] = sum(int(ln.split()[8]) for ln in open("/proc/schedstat")
+                                if ln.startswith("cpu"))
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        vm = dict(ln.split() for ln in open("/proc/vmstat"))
+        h["pgscan"] = sum(int(v) for k, v in vm.items() if k.startswith("pgscan_"))
+    except (OSError, ValueError):
+        pass
+    try:
+        mi = dict((ln.split(":")[0], int(ln.split()[1])) for ln in open("/proc/meminfo"))
+        h["dirty_kb"] = mi.get("Dirty", 0) + mi.get("Writeback", 0)
+    except (OSError, ValueError, IndexError):
+        pass
+    return h
+last_sample = 0.0
 while True:
+    if time.time() - last_sample >= 1.0:
+        last_sample = time.time()
+        h = sample()
+        if h: host.append(h)
     with open(path) as f:
         lines = f.read().splitlines()
     now = time.time()
@@ -58,7 +91,7 @@ while True:
     time.sleep(0.05)
 for ck in cks:
     ck.pop("proc", None)
-json.dump({"step_ends": ends, "checkpoints": cks}, open(os.path.join(out, "watch.json"), "w"))
+json.dump({"step_ends": ends, "checkpoints": cks, "host": host}, open(os.path.join(out, "watch.json"), "w"))
 PY
 WP=$!
 SLIDEDP_RANK_LIB=$B/lib/libslidedp_rank.so python3 examples/train_hf.py train --hostd "$W/h.sock" \
@@ -140,6 +173,29 @@ for i, ck in enumerate(cks):
             c["adjacent_steps"] = len(before + after)
             c["mean_ratio_adjacent"] = c["mean_step_s"] / statistics.mean(before + after)
     res["checkpoints"].append(c)
+# Host counters between samples, as rates, split by whether a checkpoint was in flight.
+hz = os.sysconf("SC_CLK_TCK")
+_e = [s.get("end_unix", ends.get(s["step"])) for s in steps[2:]]  # warm steps: training runs
+train_span = (min(e for e in _e if e), max(e for e in _e if e)) if any(_e) else (0, 0)
+def rates(in_flight):
+    n, acc = 0, {}
+    hs = w.get("host", [])
+    for a, b in zip(hs, hs[1:]):
+        dt = b["t"] - a["t"]
+        mid = (a["t"] + b["t"]) / 2
+        infl = any(ck.get("requested") and ck.get("committed") and ck["requested"] <= mid <= ck["committed"]
+                   for ck in cks)
+        if dt <= 0 or infl != in_flight or not train_span[0] <= mid <= train_span[1]:
+            continue
+        n += 1
+        for key, src, scale in (("cpus_busy", "busy_jiffies", 1 / hz), ("runq_wait_s_per_s", "runq_wait_ns", 1e-9),
+                                ("pgscan_per_s", "pgscan", 1)):
+            if src in a and src in b:
+                acc[key] = acc.get(key, 0.0) + (b[src] - a[src]) * scale / dt
+        if "dirty_kb" in b:
+            acc["dirty_mb"] = acc.get("dirty_mb", 0.0) + b["dirty_kb"] / 1024
+    return {"samples": n, **{k: v / n for k, v in acc.items()}}
+res["host"] = {"cpus": os.cpu_count(), "with_checkpoint": rates(True), "without": rates(False)}
 if wi and wo:
     res["median_ratio"] = res["median_step_s_with"] / res["median_step_s_without"]
     res["mean_ratio"] = res["mean_step_s_with"] / res["mean_step_s_without"]

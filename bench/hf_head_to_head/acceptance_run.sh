@@ -30,11 +30,12 @@ case "$WHAT" in
   stall)
     { cat /sys/kernel/mm/transparent_hugepage/enabled /sys/kernel/mm/transparent_hugepage/defrag; grep -E "MemTotal|MemAvailable" /proc/meminfo; } \
       >"$OUT/host.txt" 2>&1
-    # 230 steps of ~1.2 s, a checkpoint after step 20 and another after step 120 (each 48 GB,
-    # ~85 s at ~0.6 GB/s): the first finds the snapshot pool hostd prepared after step 1, the
-    # second the buffers the first kept (a service's every later checkpoint).
-    timeout 560 bash bench/checkpoint/hf_checkpoint_stall.sh "$B" "$OUT/stall" qwen3-4b 8 230 20,120 \
-      >"$OUT/stall.log" 2>&1
+    # 310 steps of ~1.1 s, a checkpoint after step 20 and another after step 170 (each 48 GB,
+    # written at checkpoint.max_write_mb_per_s 400: ~125 s): the first finds the snapshot pool
+    # hostd prepared after step 1, the second the buffers the first kept (a service's every
+    # later checkpoint).
+    MAX_WRITE_MB=${MAX_WRITE_MB:-400} timeout 560 bash bench/checkpoint/hf_checkpoint_stall.sh \
+      "$B" "$OUT/stall" qwen3-4b 8 310 20,170 >"$OUT/stall.log" 2>&1
     echo "rc=$?" >>"$OUT/stall.log"
     tail -3 "$OUT/stall.log" | cut -c1-2500
     ;;

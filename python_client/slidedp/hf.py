@@ -733,6 +733,12 @@ class StreamedRuntime:
 
     def _upload(self, version, snap, event):
         try:
+            # Background work: on a host whose cores the optimizer threads fill, the training
+            # thread (and hostd's update threads) go first. Linux: a thread id sets one thread.
+            try:
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+            except (AttributeError, OSError):
+                pass
             t0 = time.perf_counter()
             nbytes = 0
             if event is not None:
