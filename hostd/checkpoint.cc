@@ -583,7 +583,8 @@ void Checkpointer::RunCheckpoint(std::unique_lock<std::mutex>& lock) {
   // update waiting for a layer, Unpace and Cancel lift it at once.
   double paced_s = 0;
   Clock::time_point due = Clock::now();
-  CheckpointDirWriter::LayerWrite paced;
+  LayerWrite paced;
+  paced.direct = options_.direct_io;
   if (options_.max_write_bytes_per_s > 0) {
     paced.after_piece = [&](uint64_t bytes) {
       const auto now = Clock::now();

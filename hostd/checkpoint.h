@@ -125,6 +125,8 @@ class Checkpointer {
     // spreads that cost thinner over more steps. Not applied to a layer an update waits for,
     // nor after Unpace (a stop, the final checkpoint).
     uint64_t max_write_bytes_per_s = 0;
+    // Snapshot buffers go to disk with O_DIRECT where the file system takes it.
+    bool direct_io = true;
   };
   // `state` and `pool` must outlive the checkpointer; `pool` is used only inside
   // BeforeLayerWrite (on the update worker's thread).

@@ -189,7 +189,7 @@ absl::StatusOr<uint64_t> CheckpointDirWriter::WriteLayer(uint32_t layer, uint64_
   // O_DIRECT needs the buffer, the file offset and the length on block boundaries: the header
   // block is one, a snapshot buffer is page-aligned, and only its last partial block goes
   // through the page cache.
-  bool direct = m == master + numel && v == m + numel &&
+  bool direct = how.direct && m == master + numel && v == m + numel &&
                 reinterpret_cast<uintptr_t>(master) % kDirectAlign == 0 &&
                 data_bytes >= kDirectAlign;
   constexpr int kFlags = O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC;

@@ -132,6 +132,14 @@ absl::StatusOr<std::vector<std::string>> PruneCheckpoints(const std::string& dir
                                                           uint32_t keep_last,
                                                           uint64_t protect_step);
 
+// How CheckpointDirWriter::WriteLayer writes a layer's data.
+struct LayerWrite {
+  // Called after each piece of data is written, with its bytes; may sleep (the checkpointer
+  // paces its writes with it: checkpoint.max_write_mb_per_s). Null: no pacing.
+  std::function<void(uint64_t bytes)> after_piece;
+  bool direct = true;  // false: never O_DIRECT
+};
+
 // Writes one checkpoint directory (see the overview for the order of operations).
 class CheckpointDirWriter {
  public:
@@ -150,11 +158,6 @@ class CheckpointDirWriter {
   CheckpointDirWriter(const CheckpointDirWriter&) = delete;
   CheckpointDirWriter& operator=(const CheckpointDirWriter&) = delete;
 
-  struct LayerWrite {
-    // Called after each piece of data is written, with its bytes; may sleep (the checkpointer
-    // paces its writes with it: checkpoint.max_write_mb_per_s). Null: no pacing.
-    std::function<void(uint64_t bytes)> after_piece;
-  };
   // Writes layer-<layer>.bin from the three arrays and fsyncs it; returns its size in bytes.
   // When m and v follow master in one page-aligned block (a snapshot buffer), the block goes to
   // disk with O_DIRECT (no page-cache copy, no dirty pages to write back or reclaim) where the

@@ -441,6 +441,16 @@ TEST_F(CheckpointTest, Format2DataOnABlockBoundaryAndFormat1StillRestores) {
   } else {
     EXPECT_EQ(st.bytes_written_direct, 0u);
   }
+  {  // checkpoint.direct_io false: through the page cache
+    Checkpointer::Options o;
+    o.keep_last = 0;
+    o.direct_io = false;
+    Checkpointer buffered(state.get(), pool_.get(), o);
+    ASSERT_TRUE(buffered.Start((dir_ / "buffered").string(), 0, Describe(*state)).ok());
+    ASSERT_TRUE(buffered.Wait(0, 60000).ok());
+    EXPECT_EQ(buffered.stats().bytes_written_direct, 0u);
+    EXPECT_EQ(buffered.stats().bytes_written, st.bytes_written);
+  }
   std::vector<uint64_t> sums;
   for (uint32_t l = 0; l < state->num_layers(); ++l) sums.push_back(state->LayerChecksum(l));
 

@@ -546,6 +546,12 @@ std::vector<KeyDescriptor> BuildKeys() {
       1000000, [](const HostdConfig& c) { return c.checkpoint.max_write_mb_per_s; },
       [](HostdConfig& c, uint64_t v) { c.checkpoint.max_write_mb_per_s = v; }));
   k.push_back(BoolKey(
+      "checkpoint.direct_io", ckpt,
+      "Write the layers' snapshot buffers with O_DIRECT where the file system takes it (no "
+      "page-cache copy, no dirty pages to write back); false: through the page cache.",
+      [](const HostdConfig& c) { return c.checkpoint.direct_io; },
+      [](HostdConfig& c, bool v) { c.checkpoint.direct_io = v; }));
+  k.push_back(BoolKey(
       "checkpoint.on_stop", ckpt,
       "On a clean stop (SIGTERM/SIGINT) write a final checkpoint before removing the state "
       "(needs checkpoint.dir).",

@@ -77,6 +77,7 @@ struct HostdConfig {
     uint64_t client_upload_timeout_s = 300;  // wait for the ranks' client-updated layers
     uint64_t snapshot_pool_bytes = 0;        // 0: auto (the state's size when MemAvailable allows)
     uint64_t max_write_mb_per_s = 0;         // pace of a checkpoint written while training runs
+    bool direct_io = true;                   // snapshot buffers to disk with O_DIRECT
     std::string resume;  // a checkpoint directory or step directory to start from
   } checkpoint;
   // checkpoint|fresh|refuse: see hostd/recovery.h.

@@ -847,12 +847,13 @@ TEST(ConfigTest, KeyListAndEnvNames) {
                         "checkpoint.on_stop",
                         "checkpoint.client_upload_timeout_s",
                         "checkpoint.max_write_mb_per_s",
+                        "checkpoint.direct_io",
                         "checkpoint.snapshot_pool_bytes",
                         "checkpoint.resume",
                         "recovery_on_inconsistent"}) {
     EXPECT_NE(std::find(keys.begin(), keys.end(), k), keys.end()) << k;
   }
-  EXPECT_EQ(keys.size(), 47u);
+  EXPECT_EQ(keys.size(), 48u);
   EXPECT_EQ(ConfigEnvName("world_size"), "SLIDEDP_WORLD_SIZE");
   // A key of a TOML table: the dot becomes '_'.
   EXPECT_EQ(ConfigEnvName("metrics.listen"), "SLIDEDP_METRICS_LISTEN");

@@ -761,6 +761,7 @@ absl::Status Engine::CreateJobLocked(slidedp::v1::JobSpec spec, LoadedModel mode
   co.client_upload_timeout_ms =
       static_cast<int64_t>(config_.checkpoint.client_upload_timeout_s) * 1000;
   co.max_write_bytes_per_s = config_.checkpoint.max_write_mb_per_s * 1000000;
+  co.direct_io = config_.checkpoint.direct_io;
   if (co.snapshot_pool_bytes == 0) {
     // Auto: room for the whole state when the host has it when the checkpoint starts (then no
     // update waits for the disk), keeping an eighth of MemAvailable (at least 4 GiB) free.

@@ -7,7 +7,8 @@
 # Every step's end is the rank's end_unix in its loss log; a step is "with" when a checkpoint was
 # in flight (from the request to the commit) during any part of it.
 #   [DEVICE=cpu] bench/checkpoint/hf_checkpoint_stall.sh BUNDLE OUT [MODEL qwen3-4b] [BATCH 8] [STEPS 24] [AT 6] [CKDIR]
-# MAX_WRITE_MB=N passes --checkpoint.max_write_mb_per_s N to hostd (default 0: no limit).
+# MAX_WRITE_MB=N passes --checkpoint.max_write_mb_per_s N to hostd (default 0: no limit),
+# DIRECT_IO=false --checkpoint.direct_io false.
 # The watcher also samples the host once a second (/proc/stat CPU busy, /proc/schedstat run-queue
 # wait summed over CPUs, /proc/vmstat reclaim scans, /proc/meminfo Dirty/Writeback): stall.json's
 # "host" gives their rates with and without a checkpoint in flight.
@@ -21,7 +22,8 @@ W=$(mktemp -d); CK=${7:-$W/ck}; mkdir -p "$OUT" "$CK"
 python3 examples/train_hf.py prepare "$W" --model "$MODEL" --config-only >/dev/null
 "$B/bin/hostd" --model "$W" --socket "$W/h.sock" --instance "ckst$$" --mlock best_effort \
   --update_threads $(( $(nproc) > 5 ? $(nproc) - 4 : 1 )) --checkpoint.dir "$CK" --checkpoint.keep_last 1 \
-  --checkpoint.on_stop false --checkpoint.max_write_mb_per_s "${MAX_WRITE_MB:-0}" --grad_route "${ROUTE:-gpu_reduction}" >"$OUT/hostd.log" 2>&1 &
+  --checkpoint.on_stop false --checkpoint.max_write_mb_per_s "${MAX_WRITE_MB:-0}" \
+  --checkpoint.direct_io "${DIRECT_IO:-true}" --grad_route "${ROUTE:-gpu_reduction}" >"$OUT/hostd.log" 2>&1 &
 HP=$!
 while [ ! -S "$W/h.sock" ]; do
   sleep 0.5; kill -0 $HP 2>/dev/null || { echo "hostd exited"; tail -5 "$OUT/hostd.log"; exit 1; }
@@ -40,7 +42,9 @@ def sample():
     h = {"t": time.time()}
     try:
         cpu = open("/proc/stat").readline().split()[1:]
-        h["busy_jiffies"] = sum(int(x) for i, x in enumerate(cpu[:8]) if i not in (3, 4))
+        h["busy_jiffies"] = sum(int(x) for i, x in enumerate(cpu[:8]) if i not in (3, 4, 7))
+        h["steal_jiffies"] = int(cpu[7]) if len(cpu) > 7 else 0
+        h["iowait_jiffies"] = int(cpu[4])
     except (OSError, ValueError):
         pass
     try:
@@ -73,12 +77,6 @@ while True:
     seen = len(lines)
     busy = cks and "committed" not in cks[-1]
     if not busy and len(cks) < len(ats) and seen >= ats[len(cks)]:
-        # The disk may hold one checkpoint only (the H200 machine's 64 GiB, a 4B one is 45 GiB):
-        # the previous one is removed before the next is asked for.
-        for ck in cks:
-            for ln in ck.get("output", "").splitlines():
-                if ln.startswith("path "):
-                    subprocess.run(["rm", "-rf", ln.split(None, 1)[1]])
         p = subprocess.Popen(ctl + ["checkpoint", "--wait-s", "900"], stdout=subprocess.PIPE,
                              stderr=subprocess.STDOUT, text=True)
         cks.append({"at_step": seen, "requested": time.time(), "proc": p})
@@ -86,6 +84,15 @@ while True:
         if "committed" not in ck and ck["proc"].poll() is not None:
             ck["committed"] = time.time(); ck["rc"] = ck["proc"].returncode
             ck["output"] = ck["proc"].stdout.read()
+            if len(cks) < len(ats):
+                # The disk may hold one checkpoint only (the H200 machine's 64 GiB, a 4B one is
+                # 45 GiB): it is removed as soon as it commits when another one is to come; the
+                # steps during the removal are reported apart.
+                t_rm = time.time()
+                for ln in ck["output"].splitlines():
+                    if ln.startswith("path "):
+                        subprocess.run(["rm", "-rf", ln.split(None, 1)[1]])
+                ck["removal"] = [t_rm, time.time()]
     if os.path.exists(os.path.join(out, "train.done")) and all("committed" in c for c in cks):
         break
     time.sleep(0.05)
@@ -132,13 +139,18 @@ for ln in open(os.path.join(out, "hostd.log")):
         t1 = datetime.datetime.strptime(m.group(1), "%Y-%m-%dT%H:%M:%S.%f").timestamp()
         prep = (t1 - float(m.group(2)), t1)
         break
+removals = [ck["removal"] for ck in cks if ck.get("removal")]
 for r, s in zip(rows, steps):
     e = s.get("end_unix", ends.get(s["step"]))
     r["preparing_pool"] = bool(prep and e and e - s["step_time_s"] < prep[1] and e > prep[0]
                                and not r["in_flight"])
+    # The bench's removal of a committed checkpoint (the disk holds one): apart too.
+    r["removing_previous"] = bool(e and not r["in_flight"] and not r["preparing_pool"] and any(
+        e - s["step_time_s"] < b and e > a for a, b in removals))
 warm = [r for r in rows if r["step"] > 2]
 wi = [r["step_time_s"] for r in warm if r["in_flight"]]
-wo = [r["step_time_s"] for r in warm if not r["in_flight"] and not r["preparing_pool"]]
+wo = [r["step_time_s"] for r in warm
+      if not r["in_flight"] and not r["preparing_pool"] and not r["removing_previous"]]
 st = json.load(open(os.path.join(out, "stats.json")))
 keys = [k for k in st if "checkpoint" in k]
 def summary(xs):
@@ -153,6 +165,8 @@ res = {"benchmark": "hf_checkpoint_stall", "command": "bench/checkpoint/hf_check
        "mean_step_s_without": statistics.mean(wo) if wo else None,
        "pool_preparation": {"window_unix": prep,
                             **summary([r["step_time_s"] for r in warm if r["preparing_pool"]])},
+       "removing_previous_checkpoint": {
+           "windows_unix": removals, **summary([r["step_time_s"] for r in warm if r["removing_previous"]])},
        "checkpoints": [], "hostd": {k: st[k] for k in keys}, "steps": rows}
 for i, ck in enumerate(cks):
     xs = [r["step_time_s"] for r in warm if r["checkpoint"] == i]
@@ -166,7 +180,8 @@ for i, ck in enumerate(cks):
         # The same against the steps without a checkpoint just around it (as many as it
         # overlapped, before and after): the step time drifts over a run.
         idx = [j for j, r in enumerate(warm) if r["checkpoint"] == i]
-        free = [j for j, r in enumerate(warm) if not r["in_flight"] and not r["preparing_pool"]]
+        free = [j for j, r in enumerate(warm)
+                if not r["in_flight"] and not r["preparing_pool"] and not r["removing_previous"]]
         before = [warm[j]["step_time_s"] for j in free if j < idx[0]][-len(xs):]
         after = [warm[j]["step_time_s"] for j in free if j > idx[-1]][:len(xs)]
         if before + after:
@@ -188,7 +203,8 @@ def rates(in_flight):
         if dt <= 0 or infl != in_flight or not train_span[0] <= mid <= train_span[1]:
             continue
         n += 1
-        for key, src, scale in (("cpus_busy", "busy_jiffies", 1 / hz), ("runq_wait_s_per_s", "runq_wait_ns", 1e-9),
+        for key, src, scale in (("cpus_busy", "busy_jiffies", 1 / hz), ("cpus_stolen", "steal_jiffies", 1 / hz),
+                                ("cpus_iowait", "iowait_jiffies", 1 / hz), ("runq_wait_s_per_s", "runq_wait_ns", 1e-9),
                                 ("pgscan_per_s", "pgscan", 1)):
             if src in a and src in b:
                 acc[key] = acc.get(key, 0.0) + (b[src] - a[src]) * scale / dt
