@@ -594,7 +594,8 @@ void Checkpointer::RunCheckpoint(std::unique_lock<std::mutex>& lock) {
       for (auto t = now; t < due && !unpaced_.load(std::memory_order_relaxed) &&
                          !update_waiting_.load(std::memory_order_relaxed);
            t = Clock::now()) {
-        std::this_thread::sleep_for(std::min<Clock::duration>(due - t, std::chrono::milliseconds(5)));
+        std::this_thread::sleep_for(
+            std::min<Clock::duration>(due - t, std::chrono::milliseconds(5)));
       }
       paced_s += Seconds(now, Clock::now());
     };

@@ -30,8 +30,8 @@
 // called by the update worker's thread (the only user of `pool` while it runs).
 #pragma once
 
-#include <chrono>
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <functional>
@@ -234,8 +234,8 @@ class Checkpointer {
   std::multimap<uint64_t, Snapshot> kept_;  // by numel; buffers of earlier checkpoints
   uint64_t kept_bytes_ = 0;
   uint64_t pool_used_ = 0;
-  uint64_t pool_bytes_ = 0;       // the checkpoint in flight's room for copies
-  int64_t wanted_layer_ = -1;     // the layer an update waits for
+  uint64_t pool_bytes_ = 0;    // the checkpoint in flight's room for copies
+  int64_t wanted_layer_ = -1;  // the layer an update waits for
   // Read by the writer's pacing without mu_: an update waits (wanted_layer_ >= 0), Unpace.
   std::atomic<bool> update_waiting_{false};
   std::atomic<bool> unpaced_{false};

@@ -38,8 +38,9 @@
 
 namespace slidedp::hostd {
 
-inline constexpr uint32_t kCheckpointFormatVersion = 2;   // what this hostd writes
-inline constexpr uint32_t kOldestCheckpointFormatRead = 1;  // it reads 1 .. kCheckpointFormatVersion
+// This hostd writes format 2 and reads formats 1 to 2.
+inline constexpr uint32_t kCheckpointFormatVersion = 2;
+inline constexpr uint32_t kOldestCheckpointFormatRead = 1;
 inline constexpr char kCheckpointMagic[] = "slidedp-checkpoint";
 inline constexpr char kCheckpointMarker[] = "COMMITTED";
 inline constexpr char kCheckpointMeta[] = "meta.json";
@@ -163,8 +164,7 @@ class CheckpointDirWriter {
   // disk with O_DIRECT (no page-cache copy, no dirty pages to write back or reclaim) where the
   // file system takes it, else through the page cache.
   absl::StatusOr<uint64_t> WriteLayer(uint32_t layer, uint64_t numel, const float* master,
-                                      const float* m, const float* v,
-                                      const LayerWrite& how = {});
+                                      const float* m, const float* v, const LayerWrite& how = {});
 
   // Writes meta.json from `info` (step, files and total_bytes are filled here), then renames and
   // commits. Every layer 0..num_layers-1 of info.spec.manifest must have been written. Returns

@@ -13,12 +13,11 @@
 #include <thread>
 
 #include "absl/strings/str_format.h"
-#include "nlohmann/json.hpp"
-
 #include "common/thread_pool.h"
 #include "gtest/gtest.h"
 #include "hostd/optimizer.h"
 #include "hostd/test_util.h"
+#include "nlohmann/json.hpp"
 
 namespace slidedp::hostd {
 namespace {
@@ -477,9 +476,8 @@ TEST_F(CheckpointTest, Format2DataOnABlockBoundaryAndFormat1StillRestores) {
   meta["format_version"] = 1;
   const std::string text = meta.dump(2);
   std::ofstream(fs::path(r->path) / "meta.json", std::ios::trunc) << text;
-  std::ofstream(fs::path(r->path) / "COMMITTED", std::ios::trunc)
-      << absl::StrFormat("slidedp-checkpoint 1 step 0 meta_xxh64 %016x\n",
-                         XXH3_64bits(text.data(), text.size()));
+  std::ofstream(fs::path(r->path) / "COMMITTED", std::ios::trunc) << absl::StrFormat(
+      "slidedp-checkpoint 1 step 0 meta_xxh64 %016x\n", XXH3_64bits(text.data(), text.size()));
 
   auto old = ReadCheckpointInfo(r->path);
   ASSERT_TRUE(old.ok()) << old.status();
@@ -492,9 +490,8 @@ TEST_F(CheckpointTest, Format2DataOnABlockBoundaryAndFormat1StillRestores) {
     EXPECT_EQ(restored->LayerChecksum(l), sums[l]) << "layer " << l;
   }
   // A format this hostd does not know is refused by name.
-  std::ofstream(fs::path(r->path) / "COMMITTED", std::ios::trunc)
-      << absl::StrFormat("slidedp-checkpoint 3 step 0 meta_xxh64 %016x\n",
-                         XXH3_64bits(text.data(), text.size()));
+  std::ofstream(fs::path(r->path) / "COMMITTED", std::ios::trunc) << absl::StrFormat(
+      "slidedp-checkpoint 3 step 0 meta_xxh64 %016x\n", XXH3_64bits(text.data(), text.size()));
   auto future = ReadCheckpointInfo(r->path);
   EXPECT_TRUE(absl::IsInvalidArgument(future.status())) << future.status();
   EXPECT_NE(future.status().message().find("format version 3"), std::string::npos);
