@@ -78,7 +78,8 @@ RESTORE_RE = re.compile(r"resumed from checkpoint (\S+) \(step (\d+),")
 # COMMITTED written last, holding "slidedp-checkpoint <format> step <t> meta_xxh64 <hex>".
 CKPT_DIR_RE = re.compile(r"^step-(\d+)(\.tmp)?$")
 CKPT_MARKER = "COMMITTED"
-CKPT_MARKER_RE = re.compile(r"^slidedp-checkpoint 1 step (\d+) meta_xxh64 [0-9a-f]{1,16}\n$")
+# Formats 1 and 2 (hostd writes 2 since the 4096-byte header block).
+CKPT_MARKER_RE = re.compile(r"^slidedp-checkpoint [12] step (\d+) meta_xxh64 [0-9a-f]{1,16}\n$")
 CKPT_EVERY, CKPT_KEEP = 5, 2
 
 
