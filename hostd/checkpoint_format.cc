@@ -208,7 +208,10 @@ absl::StatusOr<uint64_t> CheckpointDirWriter::WriteLayer(uint32_t layer, uint64_
     direct = on;
     return absl::OkStatus();
   };
-  XXH3_state_t* st = XXH3_createState();
+  std::unique_ptr<XXH3_state_t, decltype(&XXH3_freeState)> hash_state(XXH3_createState(),
+                                                                      &XXH3_freeState);
+  if (!hash_state) return absl::ResourceExhaustedError("checkpoint: no memory for a hash state");
+  XXH3_state_t* st = hash_state.get();
   XXH3_64bits_reset(st);
   // Hashes the piece (which pulls it into the cache the write then reads from) and writes it
   // whole; a file system that refuses an O_DIRECT write (EINVAL) gets the rest buffered.
@@ -267,7 +270,6 @@ absl::StatusOr<uint64_t> CheckpointDirWriter::WriteLayer(uint32_t layer, uint64_
     }
   }
   const uint64_t hash = XXH3_64bits_digest(st);
-  XXH3_freeState(st);
   RETURN_IF_ERROR(s);
   Trace("write", path);
   if (fsync(fd.get()) != 0) return ErrnoStatus("fsync " + path);
