@@ -21,9 +21,10 @@ inline absl::Status Annotate(const absl::Status& status, absl::string_view conte
   return absl::Status(status.code(), absl::StrCat(context, ": ", status.message()));
 }
 
-// Wraps the current errno into a Status naming the failed operation.
+// Wraps the current errno into a Status naming the failed operation ("what: <strerror>";
+// absl::ErrnoToStatus appends the strerror text itself).
 inline absl::Status ErrnoStatus(absl::string_view what, int err = errno) {
-  return absl::ErrnoToStatus(err, absl::StrCat(what, ": ", std::strerror(err)));
+  return absl::ErrnoToStatus(err, what);
 }
 
 }  // namespace slidedp
