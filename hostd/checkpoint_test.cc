@@ -7,6 +7,8 @@
 #include <xxhash.h>
 
 #include <chrono>
+#include <csignal>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <random>
@@ -528,6 +530,68 @@ TEST_F(CheckpointTest, PacedWriteKeepsItsPaceAndUnpaceLiftsIt) {
       EXPECT_GE(st.paced_seconds, 0.5);
     }
     EXPECT_EQ(st.checkpoints_committed, 1u);
+  }
+}
+
+// A write that fails mid-file (a full disk; RLIMIT_FSIZE stands in for it: write() gets EFBIG,
+// on the O_DIRECT path as on the buffered one): the checkpoint fails naming the layer file, its
+// .tmp directory is removed, the previous checkpoint stays the newest, and the state is intact:
+// the same step checkpoints once there is room again.
+TEST_F(CheckpointTest, FailedWriteKeepsThePreviousCheckpointAndTheState) {
+  auto state = NewState(1);
+  for (bool direct : {true, false}) {
+    SCOPED_TRACE(direct);
+    const fs::path sub = dir_ / absl::StrCat("d", direct);
+    Checkpointer::Options o;
+    o.keep_last = 0;
+    o.direct_io = direct;
+    Checkpointer cp(state.get(), pool_.get(), o);
+    ASSERT_TRUE(cp.Start(sub.string(), 0, Describe(*state)).ok());
+    ASSERT_TRUE(cp.Wait(0, 60000).ok());
+    for (uint32_t l = 0; l < state->num_layers(); ++l) {  // version 1: the data as it is
+      state->BeginLayerWrite(l, 1);
+      state->PublishLayer(l, 1);
+    }
+    std::vector<uint64_t> sums;
+    for (uint32_t l = 0; l < state->num_layers(); ++l) sums.push_back(state->LayerChecksum(l));
+
+    rlimit old{};
+    ASSERT_EQ(getrlimit(RLIMIT_FSIZE, &old), 0);
+    auto* prev = signal(SIGXFSZ, SIG_IGN);
+    rlimit small = old;
+    small.rlim_cur = 3 * 4096;  // the header block and a little data
+    ASSERT_EQ(setrlimit(RLIMIT_FSIZE, &small), 0);
+    ASSERT_TRUE(cp.Start(sub.string(), 1, Describe(*state)).ok());
+    auto failed = cp.Wait(1, 60000);
+    ASSERT_EQ(setrlimit(RLIMIT_FSIZE, &old), 0);
+    signal(SIGXFSZ, prev);
+    ASSERT_FALSE(failed.ok());
+    EXPECT_NE(failed.status().message().find("write "), std::string::npos) << failed.status();
+    EXPECT_NE(failed.status().message().find("layer-0000"), std::string::npos) << failed.status();
+    // The system's text once (not "File too large: File too large").
+    const std::string text = std::strerror(EFBIG);
+    const std::string msg(failed.status().message());
+    EXPECT_EQ(msg.find(text), msg.rfind(text)) << msg;
+    EXPECT_EQ(cp.stats().checkpoints_failed, 1u);
+    EXPECT_FALSE(fs::exists(sub / (CheckpointDirName(1) + ".tmp")));
+    EXPECT_FALSE(fs::exists(sub / CheckpointDirName(1)));
+    auto latest = FindLatestCheckpoint(sub.string());
+    ASSERT_TRUE(latest.ok()) << latest.status();
+    EXPECT_EQ(latest->step, 0u);
+    ASSERT_TRUE(VerifyCheckpointData(*latest).ok());
+
+    ASSERT_TRUE(cp.Start(sub.string(), 1, Describe(*state)).ok());
+    auto r = cp.Wait(1, 60000);
+    ASSERT_TRUE(r.ok()) << r.status();
+    auto info = FindLatestCheckpoint(sub.string());
+    ASSERT_TRUE(info.ok()) << info.status();
+    ASSERT_EQ(info->step, 1u);
+    auto restored = NewState(77);
+    ASSERT_TRUE(RestoreCheckpoint(*info, restored.get(), pool_.get()).ok());
+    for (uint32_t l = 0; l < restored->num_layers(); ++l) {
+      EXPECT_EQ(restored->LayerChecksum(l), sums[l]) << "layer " << l;
+    }
+    state = NewState(1);  // versions back at 0 for the other write path
   }
 }
 
