@@ -1109,7 +1109,9 @@ void Engine::StartStepLocked(uint64_t step) {
   shm::Atomic(state_->control().step_state)
       .store(static_cast<uint64_t>(shm::StepState::kRunning), std::memory_order_release);
   const uint64_t every = config_.checkpoint.every_steps;
-  if (every > 0 && step % every == 0) {
+  // (A checkpoint of this very step may be in flight already: asked for while it was queued.)
+  if (every > 0 && step % every == 0 &&
+      (checkpointer_ == nullptr || checkpointer_->in_flight_step() != step)) {
     // The checkpoint of version `step` starts with the step: each layer is captured after its
     // update for this step, while the rest of the step and the next forward run, instead of
     // all of them before the next step's updates.
