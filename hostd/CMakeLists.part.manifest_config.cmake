@@ -37,7 +37,7 @@ else()
 endif()
 
 slidedp_library(slidedp_manifest
-  SRCS ${_mc_dir}/manifest.cc ${_mc_dir}/lr_schedule.cc
+  SRCS ${_mc_dir}/manifest.cc ${_mc_dir}/lr_schedule.cc ${_mc_dir}/job_spec.cc
   DEPS slidedp_proto slidedp_common nlohmann_json::nlohmann_json slidedp_xxhash absl::status
        absl::statusor absl::strings absl::str_format)
 
@@ -48,3 +48,4 @@ slidedp_library(slidedp_config
 
 slidedp_test(manifest_test SRCS ${_mc_dir}/manifest_test.cc DEPS slidedp_manifest LABELS unit)
 slidedp_test(config_test SRCS ${_mc_dir}/config_test.cc DEPS slidedp_config LABELS unit)
+slidedp_test(job_spec_test SRCS ${_mc_dir}/job_spec_test.cc DEPS slidedp_config LABELS unit)

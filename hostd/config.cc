@@ -24,6 +24,7 @@
 #include "absl/strings/str_replace.h"
 #include "absl/strings/str_split.h"
 #include "common/status_macros.h"
+#include "hostd/job_spec.h"
 #include "toml++/toml.h"
 
 extern char** environ;
@@ -40,9 +41,6 @@ absl::string_view Av(std::string_view s) { return absl::string_view(s.data(), s.
 constexpr uint64_t kKiB = uint64_t{1} << 10;
 constexpr uint64_t kMiB = uint64_t{1} << 20;
 constexpr uint64_t kGiB = uint64_t{1} << 30;
-constexpr uint64_t kMinChunkBytes = 4 * kKiB;
-constexpr uint64_t kMaxChunkBytes = kGiB;
-constexpr uint32_t kMaxWorldSize = 64;
 // sockaddr_un::sun_path holds 108 bytes including the terminating NUL.
 constexpr size_t kMaxSocketPathBytes = 107;
 constexpr size_t kMaxInstanceChars = 32;
@@ -150,16 +148,6 @@ std::string FormatSize(uint64_t bytes) {
   if (bytes != 0 && bytes % kMiB == 0) return absl::StrCat(bytes / kMiB, "MiB");
   if (bytes != 0 && bytes % kKiB == 0) return absl::StrCat(bytes / kKiB, "KiB");
   return absl::StrCat(bytes);
-}
-
-// Shortest text that parses back to the same double, in %g style (0.0001 rather than 1e-04);
-// always a TOML float (has '.', 'e' or is inf/nan).
-std::string FormatDouble(double d) {
-  char buf[64];
-  auto [p, ec] = std::to_chars(buf, buf + sizeof(buf), d, std::chars_format::general);
-  std::string s(buf, ec == std::errc() ? p : buf);
-  if (s.find_first_of(".en") == std::string::npos) s += ".0";
-  return s;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -305,7 +293,7 @@ KeyDescriptor DoubleKey(std::string name, std::string section, std::string help,
             set(c, v);
             return absl::OkStatus();
           },
-          [get](const HostdConfig& c) { return FormatDouble(get(c)); }};
+          [get](const HostdConfig& c) { return FormatSetting(get(c)); }};
 }
 
 KeyDescriptor SizeKey(std::string name, std::string section, std::string help,
@@ -793,9 +781,8 @@ absl::Status Validate(const HostdConfig& c, const WhereFn& where) {
                 "must not be empty; expected tiny, tiny-tied, a directory containing "
                 "config.json, or a path to a config.json");
   }
-  if (c.world_size < 1 || c.world_size > kMaxWorldSize) {
-    return fail("world_size",
-                absl::StrCat("must be in 1..", kMaxWorldSize, ", got ", c.world_size));
+  if (std::optional<SettingError> e = CheckWorldSize(c.world_size)) {
+    return fail(e->field, e->message);
   }
   if (c.init != "auto" && c.init != "random" && c.init != "zeros" &&
       (c.init.find('/') == std::string::npos && !c.init.ends_with(".safetensors"))) {
@@ -806,66 +793,10 @@ absl::Status Validate(const HostdConfig& c, const WhereFn& where) {
   }
   if (c.init.find('\0') != std::string::npos) return fail("init", "must not contain NUL");
 
-  const OptimizerConfig& o = c.optimizer;
-  if (!std::isfinite(o.lr()) || o.lr() < 0) {
-    return fail("lr", absl::StrCat("must be a finite number >= 0, got ", FormatDouble(o.lr())));
+  if (std::optional<SettingError> e = CheckOptimizer(c.optimizer)) {
+    return fail(e->field, e->message);
   }
-  if (!(o.beta1() >= 0 && o.beta1() < 1)) {
-    return fail("beta1", absl::StrCat("must be in [0, 1), got ", FormatDouble(o.beta1())));
-  }
-  if (!(o.beta2() >= 0 && o.beta2() < 1)) {
-    return fail("beta2", absl::StrCat("must be in [0, 1), got ", FormatDouble(o.beta2())));
-  }
-  if (!std::isfinite(o.eps()) || o.eps() <= 0) {
-    return fail("eps", absl::StrCat("must be a finite number > 0, got ", FormatDouble(o.eps())));
-  }
-  if (!std::isfinite(o.weight_decay()) || o.weight_decay() < 0) {
-    return fail("weight_decay",
-                absl::StrCat("must be a finite number >= 0, got ", FormatDouble(o.weight_decay())));
-  }
-  if (!slidedp::v1::LrScheduleKind_IsValid(o.schedule())) {
-    return fail("schedule", absl::StrCat("invalid value ", static_cast<int>(o.schedule()),
-                                         "; expected one of constant, linear, cosine"));
-  }
-  if (!(o.min_lr_ratio() >= 0 && o.min_lr_ratio() <= 1)) {
-    return fail("min_lr_ratio",
-                absl::StrCat("must be in [0, 1], got ", FormatDouble(o.min_lr_ratio())));
-  }
-  const bool decays = o.schedule() == slidedp::v1::LR_SCHEDULE_LINEAR ||
-                      o.schedule() == slidedp::v1::LR_SCHEDULE_COSINE;
-  if (decays && o.total_steps() > 0 && o.warmup_steps() > o.total_steps()) {
-    return fail("warmup_steps",
-                absl::StrCat(o.warmup_steps(), " exceeds total_steps (", o.total_steps(),
-                             "); with a decaying schedule warmup_steps must be <= total_steps"));
-  }
-  if (!slidedp::v1::ClipPolicy_IsValid(o.clip())) {
-    return fail("clip", absl::StrCat("invalid value ", static_cast<int>(o.clip()),
-                                     "; expected one of none, per_layer, global"));
-  }
-  if (!std::isfinite(o.max_grad_norm()) || o.max_grad_norm() <= 0) {
-    return fail("max_grad_norm",
-                absl::StrCat("must be a finite number > 0, got ", FormatDouble(o.max_grad_norm())));
-  }
-  if (o.grad_dtype() != slidedp::v1::DTYPE_BF16 && o.grad_dtype() != slidedp::v1::DTYPE_FP32) {
-    return fail("grad_dtype", absl::StrCat("invalid value ", static_cast<int>(o.grad_dtype()),
-                                           "; expected one of bf16, fp32"));
-  }
-
-  if (!slidedp::v1::ParamRoute_IsValid(c.routes.param_route())) {
-    return fail("param_route",
-                absl::StrCat("invalid value ", static_cast<int>(c.routes.param_route()),
-                             "; expected one of replicated, sharded"));
-  }
-  if (!slidedp::v1::GradRoute_IsValid(c.routes.grad_route())) {
-    return fail("grad_route",
-                absl::StrCat("invalid value ", static_cast<int>(c.routes.grad_route()),
-                             "; expected one of cpu_reduction, gpu_reduction, reduce_scatter"));
-  }
-  const uint64_t chunk = c.routes.chunk_bytes();
-  if (chunk < kMinChunkBytes || chunk > kMaxChunkBytes || chunk % 4096 != 0) {
-    return fail("chunk_bytes", absl::StrCat("must be a multiple of 4096 from 4KiB to 1GiB, got ",
-                                            chunk, " (", FormatSize(chunk), ")"));
-  }
+  if (std::optional<SettingError> e = CheckRoutes(c.routes)) return fail(e->field, e->message);
 
   if (c.numa_node < -1) {
     return fail("numa_node", absl::StrCat("must be >= -1 (-1: auto), got ", c.numa_node));
@@ -1040,7 +971,7 @@ absl::StatusOr<std::string> TomlValueText(const KeyDescriptor& d, const toml::no
       if (n.is_string()) return n.as_string()->get();
       return expected("an unsigned integer");
     case ValueKind::kDouble:
-      if (n.is_floating_point()) return FormatDouble(n.as_floating_point()->get());
+      if (n.is_floating_point()) return FormatSetting(n.as_floating_point()->get());
       if (n.is_integer()) return absl::StrCat(n.as_integer()->get());
       return expected("a number");
     case ValueKind::kSize:

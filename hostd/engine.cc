@@ -617,27 +617,8 @@ absl::StatusOr<slidedp::v1::HandshakeResponse> Engine::Handshake(
 
 absl::Status Engine::CreateJobLocked(slidedp::v1::JobSpec spec, LoadedModel model,
                                      const std::string& model_dir, const CheckpointInfo* resume) {
-  if (spec.world_size() == 0) spec.set_world_size(1);
-  if (spec.world_size() > shm::kMaxRanks) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("spec.world_size: expected 1..", shm::kMaxRanks, ", got ", spec.world_size()));
-  }
-  ASSIGN_OR_RETURN(*spec.mutable_optimizer(), NormalizeOptimizerConfig(spec.optimizer()));
-  auto* routes = spec.mutable_routes();
-  if (routes->param_route() == slidedp::v1::PARAM_ROUTE_UNSPECIFIED) {
-    routes->set_param_route(slidedp::v1::PARAM_ROUTE_REPLICATED);
-  }
-  if (routes->grad_route() == slidedp::v1::GRAD_ROUTE_UNSPECIFIED) {
-    routes->set_grad_route(slidedp::v1::GRAD_ROUTE_CPU_REDUCTION);
-  }
-  if (routes->chunk_bytes() == 0) routes->set_chunk_bytes(config_.routes.chunk_bytes());
-  if (routes->chunk_bytes() < 4096 || routes->chunk_bytes() % 4096 != 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("routes.chunk_bytes: expected a multiple of 4096 of at least 4096, got ",
-                     routes->chunk_bytes()));
-  }
-  if (spec.job_id().empty()) spec.set_job_id("default");
-
+  ASSIGN_OR_RETURN(spec, NormalizeJobSpec(std::move(spec), config_.routes));
+  const slidedp::v1::Routes* routes = &spec.routes();
   TrainingState::Options so;
   so.instance = config_.instance;
   so.model = std::move(model);

@@ -11,9 +11,12 @@
 #include <filesystem>
 #include <functional>
 #include <future>
+#include <limits>
 #include <random>
 #include <thread>
 
+#include "absl/strings/str_cat.h"
+#include "common/shm_segment.h"
 #include "common/version.h"
 #include "gtest/gtest.h"
 #include "hostd/checkpoint_format.h"
@@ -308,6 +311,85 @@ TEST_F(EngineTest, AttachBeforeModelExistsIsFailedPrecondition) {
   // The same manifest again is idempotent.
   grpc::ClientContext c3;
   EXPECT_TRUE(stub_->CreateJob(&c3, cj, &cjr).ok());
+}
+
+// CreateJob and UpdateHyperParams refuse what the configuration refuses (hostd/job_spec.h):
+// a chunk_bytes the ring arithmetic wraps on (2^62: the grads segment came out 4096 bytes
+// long and a rank's push crashed hostd), unknown enum values (schedule 99 ran as cosine), and
+// no job or segment is left behind by a refused CreateJob.
+TEST_F(EngineTest, CreateJobAndHyperParamsRefuseWhatTheConfigRefuses) {
+  config_.model = "none";
+  Start();
+  auto create = [&](const std::function<void(v1::JobSpec&)>& mutate) {
+    v1::CreateJobRequest req;
+    *req.mutable_spec()->mutable_manifest() = testing::SmallModel().manifest;
+    req.mutable_spec()->set_world_size(2);
+    mutate(*req.mutable_spec());
+    grpc::ClientContext ctx;
+    v1::CreateJobResponse resp;
+    return stub_->CreateJob(&ctx, req, &resp);
+  };
+  struct Case {
+    const char* what;
+    std::function<void(v1::JobSpec&)> mutate;
+    const char* needle;
+  } cases[] = {
+      {"chunk_bytes 2^62", [](v1::JobSpec& s) { s.mutable_routes()->set_chunk_bytes(1ull << 62); },
+       "spec.routes.chunk_bytes: must be a multiple of 4096 from 4KiB to 1GiB"},
+      {"chunk_bytes 1 GiB + 4 KiB",
+       [](v1::JobSpec& s) { s.mutable_routes()->set_chunk_bytes((1ull << 30) + 4096); },
+       "spec.routes.chunk_bytes"},
+      {"param_route 99",
+       [](v1::JobSpec& s) {
+         s.mutable_routes()->set_param_route(static_cast<v1::ParamRoute>(99));
+       },
+       "spec.routes.param_route: invalid value 99"},
+      {"grad_route 99",
+       [](v1::JobSpec& s) { s.mutable_routes()->set_grad_route(static_cast<v1::GradRoute>(99)); },
+       "spec.routes.grad_route: invalid value 99"},
+      {"schedule 99",
+       [](v1::JobSpec& s) {
+         s.mutable_optimizer()->set_schedule(static_cast<v1::LrScheduleKind>(99));
+       },
+       "spec.optimizer.schedule: invalid value 99"},
+      {"clip 99",
+       [](v1::JobSpec& s) { s.mutable_optimizer()->set_clip(static_cast<v1::ClipPolicy>(99)); },
+       "spec.optimizer.clip: invalid value 99"},
+      {"world_size 65", [](v1::JobSpec& s) { s.set_world_size(65); }, "spec.world_size"},
+      {"job_id with a slash", [](v1::JobSpec& s) { s.set_job_id("../x"); }, "spec.job_id"},
+  };
+  for (const Case& c : cases) {
+    grpc::Status s = create(c.mutate);
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << c.what << ": "
+                                                                  << s.error_message();
+    EXPECT_NE(s.error_message().find(c.needle), std::string::npos)
+        << c.what << ": " << s.error_message();
+    EXPECT_EQ(engine_->state(), nullptr) << c.what;
+    EXPECT_FALSE(ShmSegment::Exists(SegmentName(config_.instance, shm::SegmentKind::kGrads)))
+        << c.what;
+  }
+  ASSERT_TRUE(create([](v1::JobSpec&) {}).ok());
+  const v1::OptimizerConfig before = engine_->worker()->optimizer();
+  auto update = [&](const char* field, const std::function<void(v1::OptimizerConfig&)>& set) {
+    v1::UpdateHyperParamsRequest req;
+    req.add_fields(field);
+    set(*req.mutable_optimizer());
+    grpc::ClientContext ctx;
+    v1::UpdateHyperParamsResponse resp;
+    return stub_->UpdateHyperParams(&ctx, req, &resp);
+  };
+  for (const auto& [field, set] :
+       std::vector<std::pair<const char*, std::function<void(v1::OptimizerConfig&)>>>{
+           {"schedule", [](auto& o) { o.set_schedule(static_cast<v1::LrScheduleKind>(99)); }},
+           {"clip", [](auto& o) { o.set_clip(static_cast<v1::ClipPolicy>(7)); }},
+           {"lr", [](auto& o) { o.set_lr(std::numeric_limits<double>::infinity()); }},
+           {"min_lr_ratio", [](auto& o) { o.set_min_lr_ratio(std::nan("")); }}}) {
+    grpc::Status s = update(field, set);
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << field;
+    EXPECT_NE(s.error_message().find(absl::StrCat("optimizer.", field, ": ")), std::string::npos)
+        << s.error_message();
+  }
+  EXPECT_EQ(engine_->worker()->optimizer().SerializeAsString(), before.SerializeAsString());
 }
 
 TEST_F(EngineTest, StepThroughTheWorkerCompletesAndUpdatesStats) {

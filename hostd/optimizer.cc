@@ -27,49 +27,6 @@ double Seconds(Clock::time_point a, Clock::time_point b) {
 
 }  // namespace
 
-absl::StatusOr<slidedp::v1::OptimizerConfig> NormalizeOptimizerConfig(
-    const slidedp::v1::OptimizerConfig& in) {
-  slidedp::v1::OptimizerConfig c = in;
-  if (c.beta1() == 0 && c.beta2() == 0 && c.eps() == 0) {
-    // A message with no betas/eps set: the defaults of torch.optim.AdamW.
-    c.set_beta1(0.9);
-    c.set_beta2(0.999);
-    c.set_eps(1e-8);
-  }
-  if (c.schedule() == slidedp::v1::LR_SCHEDULE_UNSPECIFIED) {
-    c.set_schedule(slidedp::v1::LR_SCHEDULE_CONSTANT);
-  }
-  if (c.clip() == slidedp::v1::CLIP_POLICY_UNSPECIFIED) c.set_clip(slidedp::v1::CLIP_POLICY_NONE);
-  if (c.grad_dtype() == slidedp::v1::DTYPE_UNSPECIFIED) c.set_grad_dtype(slidedp::v1::DTYPE_BF16);
-  auto bad = [](absl::string_view field, double got, absl::string_view expected) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("optimizer.", field, ": expected ", expected, ", got ", got));
-  };
-  if (!(c.lr() >= 0) || !std::isfinite(c.lr())) return bad("lr", c.lr(), "a finite value >= 0");
-  if (!(c.beta1() >= 0 && c.beta1() < 1)) return bad("beta1", c.beta1(), "a value in [0, 1)");
-  if (!(c.beta2() >= 0 && c.beta2() < 1)) return bad("beta2", c.beta2(), "a value in [0, 1)");
-  if (!(c.eps() > 0) || !std::isfinite(c.eps())) return bad("eps", c.eps(), "a finite value > 0");
-  if (!(c.weight_decay() >= 0) || !std::isfinite(c.weight_decay())) {
-    return bad("weight_decay", c.weight_decay(), "a finite value >= 0");
-  }
-  if (!(c.min_lr_ratio() >= 0 && c.min_lr_ratio() <= 1)) {
-    return bad("min_lr_ratio", c.min_lr_ratio(), "a value in [0, 1]");
-  }
-  if (c.clip() != slidedp::v1::CLIP_POLICY_NONE && !(c.max_grad_norm() > 0)) {
-    return bad("max_grad_norm", c.max_grad_norm(), "a value > 0 when clipping is on");
-  }
-  if (c.schedule() != slidedp::v1::LR_SCHEDULE_CONSTANT && c.total_steps() > 0 &&
-      c.warmup_steps() > c.total_steps()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("optimizer.warmup_steps: expected <= total_steps (", c.total_steps(),
-                     "), got ", c.warmup_steps()));
-  }
-  if (c.grad_dtype() != slidedp::v1::DTYPE_BF16 && c.grad_dtype() != slidedp::v1::DTYPE_FP32) {
-    return absl::InvalidArgumentError("optimizer.grad_dtype: expected DTYPE_BF16 or DTYPE_FP32");
-  }
-  return c;
-}
-
 UpdateWorker::UpdateWorker(TrainingState* state, ThreadPool* pool, Options options,
                            slidedp::v1::OptimizerConfig optimizer)
     : state_(state), pool_(pool), options_(options), optimizer_(std::move(optimizer)) {}

@@ -49,6 +49,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
+#include "hostd/job_spec.h"  // NormalizeOptimizerConfig
 #include "hostd/lr_schedule.h"
 #include "hostd/state.h"
 #include "kernels/cpu/adamw.h"
@@ -59,11 +60,6 @@ class ThreadPool;
 }
 
 namespace slidedp::hostd {
-
-// Fills unspecified optimizer fields with defaults and checks ranges; INVALID_ARGUMENT naming
-// the field and the expected range.
-absl::StatusOr<slidedp::v1::OptimizerConfig> NormalizeOptimizerConfig(
-    const slidedp::v1::OptimizerConfig& in);
 
 struct GradientRef {
   const void* data = nullptr;
