@@ -13,6 +13,7 @@
 #include "absl/strings/string_view.h"
 #include "common/status_macros.h"
 #include "common/thread_pool.h"
+#include "hostd/job_spec.h"
 #include "kernels/cpu/adamw.h"
 
 namespace slidedp::hostd {
@@ -171,11 +172,15 @@ absl::Status TrainingState::Initialize(const Options& options, ThreadPool* pool)
   };
   const uint32_t nl = num_layers();
   // Until the state is complete, a failure must not leave half-made segments behind.
-  if (options.chunk_bytes < 4096 || options.chunk_bytes % 4096 != 0 ||
-      options.grad_ring_slots < 1 || options.grad_ring_slots > 1024) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("chunk_bytes must be a multiple of 4096 (got ", options.chunk_bytes,
-                     ") and grad_ring_slots in 1..1024 (got ", options.grad_ring_slots, ")"));
+  uint64_t grads_bytes = 0;
+  if (options.chunk_bytes < kMinChunkBytes || options.chunk_bytes > kMaxChunkBytes ||
+      options.chunk_bytes % 4096 != 0 || options.grad_ring_slots < 1 ||
+      options.grad_ring_slots > 1024 ||
+      !shm::GradSegmentBytes(world_size_, options.grad_ring_slots, options.chunk_bytes,
+                             &grads_bytes)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "chunk_bytes must be a multiple of 4096 from 4KiB to 1GiB (got ", options.chunk_bytes,
+        ") and grad_ring_slots in 1..1024 (got ", options.grad_ring_slots, ")"));
   }
   chunk_bytes_ = options.chunk_bytes;
   grad_ring_slots_ = options.grad_ring_slots;
@@ -187,9 +192,8 @@ absl::Status TrainingState::Initialize(const Options& options, ThreadPool* pool)
   state_.set_remove_on_destroy(true);
   ASSIGN_OR_RETURN(params_, make(shm::SegmentKind::kParams, param_off, numa_node_, options.mlock));
   params_.set_remove_on_destroy(true);
-  ASSIGN_OR_RETURN(grads_, make(shm::SegmentKind::kGrads,
-                                shm::GradSlotOffset(world_size_, 0, grad_ring_slots_, chunk_bytes_),
-                                numa_node_, options.mlock));
+  ASSIGN_OR_RETURN(grads_,
+                   make(shm::SegmentKind::kGrads, grads_bytes, numa_node_, options.mlock));
   grads_.set_remove_on_destroy(true);
 
   const uint64_t nonce = options.instance_nonce;
@@ -274,6 +278,13 @@ absl::StatusOr<std::unique_ptr<TrainingState>> TrainingState::Open(const Options
   s->chunk_bytes_ = options.chunk_bytes;
   s->grad_ring_slots_ = options.grad_ring_slots;
   s->weights_source_ = "re-adopted shared memory";
+  uint64_t grads_bytes = 0;
+  if (!shm::GradSegmentBytes(s->world_size_, s->grad_ring_slots_, s->chunk_bytes_,
+                             &grads_bytes)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "a grads segment of ", s->world_size_, " x ", s->grad_ring_slots_, " slots of ",
+        s->chunk_bytes_, " bytes does not fit in 64 bits"));
+  }
   const uint32_t nl = s->num_layers();
   const std::string& inst = options.instance;
   struct Want {
@@ -286,8 +297,7 @@ absl::StatusOr<std::unique_ptr<TrainingState>> TrainingState::Open(const Options
        shm::ControlSegmentBytes(nl, s->world_size_, s->grad_ring_slots_)},
       {shm::SegmentKind::kState, &s->state_, s->state_bytes_},
       {shm::SegmentKind::kParams, &s->params_, s->param_bytes_},
-      {shm::SegmentKind::kGrads, &s->grads_,
-       shm::GradSlotOffset(s->world_size_, 0, s->grad_ring_slots_, s->chunk_bytes_)}};
+      {shm::SegmentKind::kGrads, &s->grads_, grads_bytes}};
   uint64_t nonce = 0;
   for (const Want& w : wants) {
     const std::string name = SegmentName(inst, w.kind);

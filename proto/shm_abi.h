@@ -208,6 +208,22 @@ inline constexpr size_t GradSlotOffset(uint32_t rank, uint32_t slot, uint32_t sl
 
 inline constexpr uint64_t AlignUp(uint64_t v, uint64_t a) { return (v + a - 1) / a * a; }
 
+// Bytes of the grads segment (its header, then world_size rings of slots_per_rank slots of
+// chunk_bytes each, ending on a page); false when the size does not fit in 64 bits: no machine
+// holds that layout, and every offset in it would wrap. Both ends size the segment with this.
+inline constexpr bool GradSegmentBytes(uint32_t world_size, uint32_t slots_per_rank,
+                                       uint64_t chunk_bytes, uint64_t* out) {
+  const uint64_t slots = uint64_t{world_size} * slots_per_rank;  // 32 x 32 bits: cannot wrap
+  uint64_t data = 0;
+  uint64_t end = 0;
+  if (__builtin_mul_overflow(slots, chunk_bytes, &data) ||
+      __builtin_add_overflow(data, uint64_t{kHeaderBytes} + kPayloadAlign - 1, &end)) {
+    return false;
+  }
+  *out = end / kPayloadAlign * kPayloadAlign;
+  return true;
+}
+
 template <typename T>
 inline std::atomic_ref<T> Atomic(T& field) {
   return std::atomic_ref<T>(field);

@@ -234,6 +234,33 @@ absl::Status RankClient::Init() {
     return absl::FailedPreconditionError(
         "hostd's layout lacks the control, params or grads segment");
   }
+  // Every offset this rank writes or reads must lie inside what it mapped: a layout whose ring or
+  // layer regions pass the end of their segment is refused here, not found by a SIGSEGV.
+  uint64_t grads_need = 0;
+  if (!shm::GradSegmentBytes(layout_.world_size(), layout_.grad_ring_slots(),
+                             layout_.chunk_bytes(), &grads_need) ||
+      grads_need > grads_.size_bytes() || options_.rank >= layout_.world_size()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "hostd's layout does not fit its grads segment: ", layout_.world_size(), " ranks x ",
+        layout_.grad_ring_slots(), " slots of ", layout_.chunk_bytes(), " bytes in ",
+        grads_.size_bytes(), " bytes (rank ", options_.rank, ")"));
+  }
+  for (const v1::LayerLayout& l : layout_.layers()) {
+    if (l.param_offset_bytes() > params_.size_bytes() ||
+        l.param_bytes() > params_.size_bytes() - l.param_offset_bytes()) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "hostd's layout does not fit its params segment: layer ", l.layer(), " at offset ",
+          l.param_offset_bytes(), " with ", l.param_bytes(), " bytes in ", params_.size_bytes(),
+          " bytes"));
+    }
+  }
+  if (control_.size_bytes() < shm::ControlSegmentBytes(static_cast<uint32_t>(layout_.layers_size()),
+                                                       layout_.world_size(),
+                                                       layout_.grad_ring_slots())) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("hostd's layout does not fit its control segment (", control_.size_bytes(),
+                     " bytes)"));
+  }
   cb_ = control_.at<shm::ControlBlock>(shm::kControlBlockOffset);
 
   // The session stream: liveness for hostd, events for us.
