@@ -19,8 +19,10 @@
 #include <utility>
 #include <vector>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
+#include "absl/synchronization/mutex.h"
 #include "common/status_macros.h"
 #include "common/thread_pool.h"
 
@@ -62,6 +64,69 @@ absl::Status FromInterprocess(const bip::interprocess_exception& e, absl::string
   }
   return absl::InternalError(absl::StrCat(what, ": ", e.what()));
 }
+
+#if defined(__SANITIZE_THREAD__)
+constexpr bool kOneMappingPerFile = true;
+#elif defined(__has_feature)
+#if __has_feature(thread_sanitizer)
+constexpr bool kOneMappingPerFile = true;
+#else
+constexpr bool kOneMappingPerFile = false;
+#endif
+#else
+constexpr bool kOneMappingPerFile = false;
+#endif
+
+// The TSan build's mappings of this process by file (header: TSan keys its shadow state by
+// virtual address). Each entry counts the ShmSegments that share it; the last one unmaps.
+class MappingRegistry {
+ public:
+  static MappingRegistry& Get() {
+    static MappingRegistry* registry = new MappingRegistry;
+    return *registry;
+  }
+  // The mapping of the file `st` describes, one reference more, when one of st.st_size bytes
+  // exists with at least the access asked for; nullptr otherwise.
+  void* Share(const struct stat& st, bool writable) {
+    absl::MutexLock lock(&mu_);
+    for (Entry& e : entries_) {
+      if (e.dev == st.st_dev && e.ino == st.st_ino && e.size == static_cast<size_t>(st.st_size) &&
+          (e.writable || !writable)) {
+        e.refs++;
+        return e.addr;
+      }
+    }
+    return nullptr;
+  }
+  void Add(const struct stat& st, void* addr, size_t size, bool writable) {
+    absl::MutexLock lock(&mu_);
+    entries_.push_back({st.st_dev, st.st_ino, addr, size, writable, 1});
+  }
+  // Drops a reference to the mapping at `addr`: true when the caller unmaps it (the last
+  // reference, or a mapping never added).
+  bool Release(void* addr) {
+    absl::MutexLock lock(&mu_);
+    for (size_t i = 0; i < entries_.size(); ++i) {
+      if (entries_[i].addr != addr) continue;
+      if (--entries_[i].refs > 0) return false;
+      entries_.erase(entries_.begin() + static_cast<std::ptrdiff_t>(i));
+      return true;
+    }
+    return true;
+  }
+
+ private:
+  struct Entry {
+    dev_t dev;
+    ino_t ino;
+    void* addr;
+    size_t size;
+    bool writable;
+    int refs;
+  };
+  absl::Mutex mu_;
+  std::vector<Entry> entries_ ABSL_GUARDED_BY(mu_);
+};
 
 // Touches [begin, end) of the mapping so every page is allocated now.
 absl::Status Populate(char* base, size_t size, ThreadPool* pool) {
@@ -156,6 +221,11 @@ absl::StatusOr<ShmSegment> ShmSegment::Create(const CreateOptions& options) {
     void* addr = mmap(nullptr, options.size_bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
     if (addr == MAP_FAILED) return ErrnoStatus("mmap " + options.name);
     seg.data_ = addr;
+    if constexpr (kOneMappingPerFile) {
+      struct stat st;
+      if (fstat(fd, &st) != 0) return ErrnoStatus("fstat " + options.name);
+      MappingRegistry::Get().Add(st, addr, options.size_bytes, /*writable=*/true);
+    }
   } catch (const bip::interprocess_exception& e) {
     absl::Status s = FromInterprocess(e, "create shared memory " + options.name);
     if (!absl::IsAlreadyExists(s)) ShmSegment::Remove(options.name).IgnoreError();
@@ -207,10 +277,19 @@ absl::StatusOr<ShmSegment> ShmSegment::Open(const std::string& name, bool writab
     if (fstat(fd, &st) != 0) return ErrnoStatus("fstat " + name);
     if (st.st_size <= 0) return absl::FailedPreconditionError("segment " + name + " is empty");
     seg.size_bytes_ = static_cast<size_t>(st.st_size);
+    if constexpr (kOneMappingPerFile) {
+      if (void* shared = MappingRegistry::Get().Share(st, writable)) {
+        seg.data_ = shared;
+        return seg;
+      }
+    }
     void* addr = mmap(nullptr, seg.size_bytes_, writable ? PROT_READ | PROT_WRITE : PROT_READ,
                       MAP_SHARED, fd, 0);
     if (addr == MAP_FAILED) return ErrnoStatus("mmap " + name);
     seg.data_ = addr;
+    if constexpr (kOneMappingPerFile) {
+      MappingRegistry::Get().Add(st, addr, seg.size_bytes_, writable);
+    }
   } catch (const bip::interprocess_exception& e) {
     return FromInterprocess(e, "open shared memory " + name);
   }
@@ -283,8 +362,10 @@ ShmSegment::~ShmSegment() { Reset(); }
 
 void ShmSegment::Reset() {
   if (data_ != nullptr) {
-    if (locked_) munlock(data_, size_bytes_);
-    munmap(data_, size_bytes_);
+    if (!kOneMappingPerFile || MappingRegistry::Get().Release(data_)) {
+      if (locked_) munlock(data_, size_bytes_);
+      munmap(data_, size_bytes_);
+    }
     data_ = nullptr;
   }
   if (remove_on_destroy_ && !name_.empty()) ShmSegment::Remove(name_).IgnoreError();

@@ -11,6 +11,12 @@
 // the name is explicit (Remove / set_remove_on_destroy) because hostd may leave segments behind on
 // purpose for re-adoption after a crash.
 //
+// Under ThreadSanitizer (a -fsanitize=thread build only) a process maps each shared-memory file
+// once: Open of a file this process already maps (hostd's engine and an in-process RankClient in
+// a test) returns that mapping, shared and reference counted, read-write if it already is. TSan
+// keys its state by virtual address, so two mappings of one word would be two unrelated words to
+// it, and a release through one and an acquire through the other would order nothing.
+//
 // Thread safety: a ShmSegment is confined to its owner; the memory it maps is shared and its
 // users synchronize through the atomics of proto/shm_abi.h.
 #pragma once

@@ -5,6 +5,8 @@
 
 #include <atomic>
 #include <cstring>
+#include <optional>
+#include <thread>
 
 #include "absl/strings/str_cat.h"
 #include "common/thread_pool.h"
@@ -126,6 +128,63 @@ TEST(ShmSegmentTest, BadNamesAndMissingSegments) {
   auto missing = ShmSegment::Open("slidedp." + UniqueInstance("absent"), false);
   ASSERT_FALSE(missing.ok());
   EXPECT_EQ(missing.status().code(), absl::StatusCode::kNotFound) << missing.status();
+}
+
+#if defined(__SANITIZE_THREAD__)
+constexpr bool kTsan = true;
+#else
+constexpr bool kTsan = false;
+#endif
+
+// A segment opened again in the creating process: under TSan the same mapping (read-only asked,
+// read-write given), which outlives its creator and is unmapped by its last owner; a file made
+// anew under the same name is another mapping. Elsewhere a mapping of its own. Either way the
+// readers see the creator's writes after it is gone. Under TSan the last part orders a plain
+// heap write through a flag stored through one owner and loaded through another: with two
+// mappings of the flag TSan saw no order and reported the heap read as a race.
+TEST(ShmSegmentTest, OpenInTheCreatingProcessSharesOneMappingUnderTsan) {
+  ShmSegment::CreateOptions o;
+  o.name = "slidedp." + UniqueInstance("alias");
+  o.size_bytes = 2 * 4096;
+  o.mlock = MlockPolicy::kOff;
+  auto created = ShmSegment::Create(o);
+  ASSERT_TRUE(created.ok()) << created.status();
+  std::optional<ShmSegment> creator(std::move(*created));
+  creator->set_remove_on_destroy(true);
+  std::memset(creator->data(), 0x11, creator->size_bytes());
+  auto writer = ShmSegment::Open(o.name, /*writable=*/true);
+  auto reader = ShmSegment::Open(o.name, /*writable=*/false);
+  ASSERT_TRUE(writer.ok()) << writer.status();
+  ASSERT_TRUE(reader.ok()) << reader.status();
+  EXPECT_EQ(writer->data() == creator->data(), kTsan);
+  EXPECT_EQ(reader->data() == creator->data(), kTsan);
+  creator.reset();  // removes the name; the others keep the file mapped
+  EXPECT_FALSE(ShmSegment::Exists(o.name));
+  EXPECT_EQ(static_cast<const unsigned char*>(reader->data())[4096], 0x11);
+  static_cast<unsigned char*>(writer->data())[4096] = 0x22;
+  EXPECT_EQ(static_cast<const unsigned char*>(reader->data())[4096], 0x22);
+
+  auto fresh = ShmSegment::Create(o);
+  ASSERT_TRUE(fresh.ok()) << fresh.status();
+  fresh->set_remove_on_destroy(true);
+  auto fresh_reader = ShmSegment::Open(o.name, /*writable=*/true);
+  ASSERT_TRUE(fresh_reader.ok()) << fresh_reader.status();
+  EXPECT_EQ(fresh_reader->data() == fresh->data(), kTsan);
+  EXPECT_NE(fresh_reader->data(), writer->data());
+  EXPECT_EQ(static_cast<const unsigned char*>(fresh_reader->data())[4096], 0);
+
+  int message = 0;
+  auto* flag = fresh->at<uint64_t>(0);
+  std::thread t([&] {
+    message = 42;
+    std::atomic_ref<uint64_t>(*flag).store(1, std::memory_order_release);
+  });
+  auto* seen = fresh_reader->at<uint64_t>(0);
+  while (std::atomic_ref<uint64_t>(*seen).load(std::memory_order_acquire) != 1) {
+    std::this_thread::yield();
+  }
+  EXPECT_EQ(message, 42);
+  t.join();
 }
 
 TEST(ShmSegmentTest, HostMemoryInfoIsPlausible) {

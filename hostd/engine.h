@@ -143,9 +143,19 @@ class Engine {
   absl::Status WaitLayerVersion(uint32_t layer, uint64_t version,
                                 std::chrono::milliseconds timeout);
 
-  TrainingState* state() const { return state_.get(); }
-  UpdateWorker* worker() const { return worker_.get(); }
-  GradientReducer* reducer() const { return reducer_.get(); }
+  // Null until the job exists, then fixed. Read under mu_: CreateJob (an RPC thread) sets them.
+  TrainingState* state() const ABSL_LOCKS_EXCLUDED(mu_) {
+    absl::ReaderMutexLock lock(&mu_);
+    return state_.get();
+  }
+  UpdateWorker* worker() const ABSL_LOCKS_EXCLUDED(mu_) {
+    absl::ReaderMutexLock lock(&mu_);
+    return worker_.get();
+  }
+  GradientReducer* reducer() const ABSL_LOCKS_EXCLUDED(mu_) {
+    absl::ReaderMutexLock lock(&mu_);
+    return reducer_.get();
+  }
   const HostdConfig& config() const { return config_; }
   const Topology& topology() const { return topology_; }
 

@@ -944,15 +944,10 @@ class OverlapTest : public ::testing::TestWithParam<v1::GradRoute> {
       auto st = engine->GetStats(v1::GetStatsRequest());
       return st.ok() ? st->steps_aborted() : ~0ull;
     }
-    // Full ring slots of rank 0 holding a chunk of `step`.
+    // Full ring slots of rank 0 holding a chunk of `step`, counted under the reducer's lock: a
+    // slot's step read here may otherwise race with the rank refilling the slot hostd empties.
     int ChunksInRing(uint64_t step) {
-      TrainingState* s = engine->state();
-      int n = 0;
-      for (uint32_t i = 0; i < s->grad_ring_slots(); ++i) {
-        const shm::ChunkSlot& cs = s->chunk_slot(0, i);
-        if (shm::Atomic(cs.state).load() == shm::kSlotFull && cs.step == step) n++;
-      }
-      return n;
+      return static_cast<int>(engine->reducer()->FullSlotsOfStep(0, step));
     }
   };
 

@@ -94,6 +94,19 @@ GradientReducer::Stats GradientReducer::stats() const {
   return stats_;
 }
 
+uint32_t GradientReducer::FullSlotsOfStep(uint32_t rank, uint64_t step) const {
+  absl::MutexLock lock(&mu_);
+  uint32_t n = 0;
+  for (uint32_t s = 0; s < state_->grad_ring_slots(); ++s) {
+    shm::ChunkSlot& cs = state_->chunk_slot(rank, s);
+    if (shm::Atomic(cs.state).load(std::memory_order_acquire) == shm::kSlotFull &&
+        cs.step == step) {
+      n++;
+    }
+  }
+  return n;
+}
+
 void GradientReducer::Ring() {
   shm::ControlBlock& cb = state_->control();
   shm::Atomic(cb.doorbell).fetch_add(1, std::memory_order_acq_rel);

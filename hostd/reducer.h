@@ -128,6 +128,10 @@ class GradientReducer {
   void DiscardStep(uint64_t step);
 
   Stats stats() const;
+  // Full slots of `rank`'s ring holding a chunk of `step` (lent ones included). Read under the
+  // reducer's lock, which every emptying of a slot holds, so the count never reads a slot the
+  // rank is refilling: what a test observes of the rings while ranks push.
+  uint32_t FullSlotsOfStep(uint32_t rank, uint64_t step) const;
 
   // Runs one round of the reduction on the calling thread, as the reducer's thread does, and
   // returns whether it made progress. For fuzzers (fuzz/fuzz_shm.cc) and tests that drive the
