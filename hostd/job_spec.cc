@@ -50,8 +50,7 @@ std::optional<SettingError> CheckOptimizer(const OptimizerConfig& o) {
     return Err("eps", absl::StrCat("must be a finite number > 0", got(o.eps())));
   }
   if (!std::isfinite(o.weight_decay()) || o.weight_decay() < 0) {
-    return Err("weight_decay",
-               absl::StrCat("must be a finite number >= 0", got(o.weight_decay())));
+    return Err("weight_decay", absl::StrCat("must be a finite number >= 0", got(o.weight_decay())));
   }
   if (!slidedp::v1::LrScheduleKind_IsValid(o.schedule())) {
     return Err("schedule", absl::StrCat("invalid value ", static_cast<int>(o.schedule()),

@@ -13,9 +13,9 @@
 //
 // The Check* functions take settings as the configuration holds them, where an UNSPECIFIED
 // schedule, clip or route means the default the proto names (constant, none, replicated,
-// cpu_reduction) and every other field is set; the Normalize* functions take a message from a client, where proto3's zero means
-// "not set": they fill hostd's defaults first, then check, and name the field by its path in
-// the message ("optimizer.lr", "spec.routes.chunk_bytes").
+// cpu_reduction) and every other field is set; the Normalize* functions take a message from a
+// client, where proto3's zero means "not set": they fill hostd's defaults first, then check, and
+// name the field by its path in the message ("optimizer.lr", "spec.routes.chunk_bytes").
 //
 // Pure functions; thread-safe.
 #pragma once

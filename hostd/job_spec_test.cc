@@ -34,9 +34,10 @@ void Opt(HostdConfig& c, const std::function<void(v1::OptimizerConfig&)>& f) { f
 
 std::vector<Case> OutOfBounds() {
   std::vector<Case> cases;
-  auto opt = [&](std::string label, std::string field, std::function<void(v1::OptimizerConfig&)> f) {
-    cases.push_back({std::move(label), field, "spec.optimizer." + field,
-                     [f](HostdConfig& c) { Opt(c, f); }});
+  auto opt = [&](std::string label, std::string field,
+                 std::function<void(v1::OptimizerConfig&)> f) {
+    cases.push_back(
+        {std::move(label), field, "spec.optimizer." + field, [f](HostdConfig& c) { Opt(c, f); }});
   };
   auto route = [&](std::string label, std::string field, std::function<void(v1::Routes&)> f) {
     cases.push_back(
@@ -53,7 +54,8 @@ std::vector<Case> OutOfBounds() {
   opt("eps_inf", "eps", [](auto& o) { o.set_eps(kInf); });
   opt("weight_decay_negative", "weight_decay", [](auto& o) { o.set_weight_decay(-0.1); });
   opt("weight_decay_nan", "weight_decay", [](auto& o) { o.set_weight_decay(kNan); });
-  opt("schedule_99", "schedule", [](auto& o) { o.set_schedule(static_cast<v1::LrScheduleKind>(99)); });
+  opt("schedule_99", "schedule",
+      [](auto& o) { o.set_schedule(static_cast<v1::LrScheduleKind>(99)); });
   opt("schedule_negative", "schedule",
       [](auto& o) { o.set_schedule(static_cast<v1::LrScheduleKind>(-1)); });
   opt("warmup_beyond_total", "warmup_steps", [](auto& o) {
@@ -80,8 +82,7 @@ std::vector<Case> OutOfBounds() {
         [](auto& r) { r.set_chunk_bytes(std::numeric_limits<uint64_t>::max()); });
   route("chunk_bytes_1GiB_plus_a_page", "chunk_bytes",
         [](auto& r) { r.set_chunk_bytes((uint64_t{1} << 30) + 4096); });
-  route("chunk_bytes_not_a_page_multiple", "chunk_bytes",
-        [](auto& r) { r.set_chunk_bytes(5000); });
+  route("chunk_bytes_not_a_page_multiple", "chunk_bytes", [](auto& r) { r.set_chunk_bytes(5000); });
   route("chunk_bytes_below_a_page", "chunk_bytes", [](auto& r) { r.set_chunk_bytes(2048); });
   cases.push_back({"world_size_65", "world_size", "spec.world_size",
                    [](HostdConfig& c) { c.world_size = 65; }});
@@ -164,8 +165,8 @@ TEST(JobSpecTest, UnsetFieldsOfAMessageTakeTheDefaults) {
 }
 
 TEST(JobSpecTest, JobIdIsBoundedAndPrintable) {
-  for (const std::string& id : {std::string(65, 'a'), std::string("a/b"), std::string("a b"),
-                                std::string("x\n\x01y")}) {
+  for (const std::string& id :
+       {std::string(65, 'a'), std::string("a/b"), std::string("a b"), std::string("x\n\x01y")}) {
     v1::JobSpec spec;
     spec.set_job_id(id);
     absl::StatusOr<v1::JobSpec> r = NormalizeJobSpec(spec, DefaultRoutes());
