@@ -10,9 +10,9 @@
 // method picks one of the 17 unary RPCs or a session call (OpenSession, heartbeat, SessionClosed,
 // NextSessionEvent). Unless the input begins with a CreateJob record the job is created first
 // from a built-in two-layer manifest. flags patch fields the fuzzer cannot guess: bit 0 the
-// job's manifest_hash, bit 1 the attach_token issued to the request's rank, bit 2 the step to
-// the job's next step, bit 3 rank % world size. FetchCommId's wait is capped at 2 ms, and a
-// CreateJob of more than 2^20 parameters is not sent (it would only cost memory and time).
+// job's manifest_hash, bit 1 the attach_token issued to the request's rank (every rank RPC), bit 2
+// the step to the job's next step, bit 3 rank % world size. FetchCommId's wait is capped at 2 ms,
+// and a CreateJob of more than 2^20 parameters is not sent (it would only cost memory and time).
 // Oracles besides the sanitizers: no INTERNAL or UNKNOWN status, every error has a message, the
 // gRPC status carries the Engine's code and message, GetStatus works after every call, and a
 // failed call leaves the state's checksum unchanged.
@@ -166,6 +166,7 @@ class Harness {
         break;
       case 4:
         s = Call<v1::BeginStepRequest>(p, n, flags, "BeginStep", &name, [&](auto& r) {
+          if (flags & 2) r.set_attach_token(tokens_[r.rank()]);
           if (flags & 4) r.set_step(NextStep() + (flags >> 4) % 3);
           return engine_->BeginStep(r);
         });
@@ -177,12 +178,15 @@ class Harness {
         });
         break;
       case 6:
-        s = Call<v1::PublishCommIdRequest>(p, n, flags, "PublishCommId", &name,
-                                           [&](auto& r) { return engine_->PublishCommId(r); });
+        s = Call<v1::PublishCommIdRequest>(p, n, flags, "PublishCommId", &name, [&](auto& r) {
+          if (flags & 2) r.set_attach_token(tokens_[r.rank()]);
+          return engine_->PublishCommId(r);
+        });
         break;
       case 7:
         s = Call<v1::FetchCommIdRequest>(p, n, flags, "FetchCommId", &name, [&](auto& r) {
           r.set_wait_ms(r.wait_ms() % 3);
+          if (flags & 2) r.set_attach_token(tokens_[r.rank()]);
           return engine_->FetchCommId(r);
         });
         break;
@@ -225,29 +229,38 @@ class Harness {
       // stream handler does).
       case 15:
         s = Call<v1::SessionClientMessage>(p, n, flags, "SessionHeartbeat", &name, [&](auto& r) {
-          if (open_.count(flags % kWorld)) engine_->SessionHeartbeat(flags % kWorld, r.heartbeat());
+          if (open_.count(flags % kWorld)) {
+            engine_->SessionHeartbeat(flags % kWorld, tokens_[flags % kWorld], r.heartbeat());
+          }
           return absl::OkStatus();
         });
         break;
       case 16:
         name = "SessionClosed";
-        if (open_.erase(flags % kWorld)) engine_->SessionClosed(flags % kWorld, "fuzz");
+        if (open_.erase(flags % kWorld)) {
+          engine_->SessionClosed(flags % kWorld, tokens_[flags % kWorld], "fuzz");
+        }
         break;
       case 18:
-        s = Call<v1::UploadClientLayerRequest>(
-            p, n, flags, "UploadClientLayer", &name,
-            [&](auto& r) { return engine_->UploadClientLayer(r).status(); });
+        s = Call<v1::UploadClientLayerRequest>(p, n, flags, "UploadClientLayer", &name,
+                                               [&](auto& r) {
+                                                 if (flags & 2)
+                                                   r.set_attach_token(tokens_[r.rank()]);
+                                                 return engine_->UploadClientLayer(r).status();
+                                               });
         break;
       case 19:
         s = Call<v1::ReadClientLayerRequest>(p, n, flags, "ReadClientLayer", &name, [&](auto& r) {
+          if (flags & 2) r.set_attach_token(tokens_[r.rank()]);
           return engine_->ReadClientLayer(r).status();
         });
         break;
       case 17:
         name = "NextSessionEvent";
         if (open_.count(flags % kWorld)) {
-          engine_->SessionActive(flags % kWorld);
-          engine_->NextSessionEvent(flags % kWorld, std::chrono::milliseconds(0));
+          engine_->SessionActive(flags % kWorld, tokens_[flags % kWorld]);
+          engine_->NextSessionEvent(flags % kWorld, tokens_[flags % kWorld],
+                                    std::chrono::milliseconds(0));
         }
         break;
     }

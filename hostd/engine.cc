@@ -113,6 +113,11 @@ int64_t UnixMs() {
       .count();
 }
 
+// The longest a BeginStep waits for an HF export that holds the steps.
+constexpr absl::Duration kExportHoldMax = absl::Minutes(30);
+// How many aborted or dropped steps BeginStep can name (a rank is at most a step or two behind).
+constexpr size_t kRecentAborts = 16;
+
 // How long an RPC with wait blocks for a checkpoint to commit.
 constexpr int64_t kCheckpointWaitMs = int64_t{6} * 3600 * 1000;
 // Elements per UploadClientLayer / ReadClientLayer message (16 MiB of FP32; hostd's server and
@@ -383,13 +388,7 @@ absl::StatusOr<slidedp::v1::UploadClientLayerResponse> Engine::UploadClientLayer
     const slidedp::v1::UploadClientLayerRequest& r) {
   absl::MutexLock lock(&mu_);
   RETURN_IF_ERROR(CheckJob(r.job_id()));
-  if (r.rank() >= ranks_.size() || !ranks_[r.rank()].attached) {
-    return absl::FailedPreconditionError(absl::StrCat("rank ", r.rank(), " is not attached"));
-  }
-  if (r.attach_token() != ranks_[r.rank()].token) {
-    return absl::PermissionDeniedError(
-        absl::StrCat("attach_token: does not match the token issued to rank ", r.rank()));
-  }
+  RETURN_IF_ERROR(CheckRankTokenLocked(r.rank(), r.attach_token()));
   if (r.rank() != 0) {
     return absl::FailedPreconditionError(absl::StrCat(
         "rank: only rank 0 uploads the client-updated layers (every rank holds the same state); "
@@ -510,6 +509,7 @@ absl::StatusOr<slidedp::v1::ReadClientLayerResponse> Engine::ReadClientLayer(
     const slidedp::v1::ReadClientLayerRequest& r) {
   absl::MutexLock lock(&mu_);
   RETURN_IF_ERROR(CheckJob(r.job_id()));
+  RETURN_IF_ERROR(CheckRankTokenLocked(r.rank(), r.attach_token()));
   RETURN_IF_ERROR(CheckClientLayerPartLocked(r.layer(), r.part()));
   const uint64_t numel = state_->layers()[r.layer()].numel;
   if (r.count() == 0 || r.count() > kClientLayerChunkElements) {
@@ -590,6 +590,23 @@ absl::Status Engine::CheckJob(absl::string_view job_id) const {
   if (!job_id.empty() && job_id != job_->job_id()) {
     return absl::NotFoundError(
         absl::StrCat("job_id: unknown job '", job_id, "'; this hostd has '", job_->job_id(), "'"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Engine::CheckRankTokenLocked(uint32_t rank, const std::string& token) const {
+  if (rank >= ranks_.size()) {
+    return absl::OutOfRangeError(absl::StrCat("rank: expected 0..", ranks_.size() - 1,
+                                              " (world_size ", ranks_.size(), "), got ", rank));
+  }
+  if (!ranks_[rank].attached) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("rank ", rank, " is not attached; call AttachRank first"));
+  }
+  if (token != ranks_[rank].token) {
+    return absl::PermissionDeniedError(
+        absl::StrCat("attach_token: does not match the token issued to rank ", rank,
+                     token.empty() ? " (none sent: a client older than protocol 2?)" : ""));
   }
   return absl::OkStatus();
 }
@@ -957,6 +974,7 @@ absl::StatusOr<slidedp::v1::AttachRankResponse> Engine::AttachRank(
   e = RankEntry{};
   e.attached = true;
   e.token = absl::StrCat(RandomHex(16), "-", ++token_counter_);
+  if (r.rank() == 0) comm_ids_.clear();
   e.pid = r.pid();
   e.hostname = r.hostname();
   e.gpu = r.gpu();
@@ -1014,26 +1032,22 @@ absl::StatusOr<slidedp::v1::AttachRankResponse> Engine::AttachRank(
 absl::Status Engine::DetachRank(const slidedp::v1::DetachRankRequest& r) {
   absl::MutexLock lock(&mu_);
   RETURN_IF_ERROR(CheckJob(r.job_id()));
-  if (r.rank() >= ranks_.size()) {
-    return absl::OutOfRangeError(
-        absl::StrCat("rank: expected 0..", ranks_.size() - 1, ", got ", r.rank()));
-  }
-  RankEntry& e = ranks_[r.rank()];
-  if (!e.attached) {
-    return absl::FailedPreconditionError(absl::StrCat("rank ", r.rank(), " is not attached"));
-  }
-  if (r.attach_token() != e.token) {
-    return absl::PermissionDeniedError(
-        absl::StrCat("attach_token: does not match the token issued to rank ", r.rank()));
-  }
+  RETURN_IF_ERROR(CheckRankTokenLocked(r.rank(), r.attach_token()));
   if (running_step_ != 0 && !AllLayersAt(*state_, running_step_, client_updated_)) {
     AbortStepLocked(running_step_, absl::StrCat("rank ", r.rank(), " detached"));
   } else if (queued_step_ != 0) {
     DropQueuedStepLocked(absl::StrCat("rank ", r.rank(), " detached"));
   }
-  e = RankEntry{};
-  shm::Atomic(state_->rank_slot(r.rank()).attached).store(0, std::memory_order_release);
+  ReleaseRankLocked(r.rank());
   return absl::OkStatus();
+}
+
+void Engine::ReleaseRankLocked(uint32_t rank) {
+  ranks_[rank] = RankEntry{};
+  shm::Atomic(state_->rank_slot(rank).attached).store(0, std::memory_order_release);
+  // The communicator ids rank 0 published die with its attachment: a rank of the next
+  // attachment must not fetch them (its communicator would wait for a rank 0 long gone).
+  if (rank == 0) comm_ids_.clear();
 }
 
 void Engine::BroadcastLocked(const slidedp::v1::SessionEvent& ev) {
@@ -1043,16 +1057,39 @@ void Engine::BroadcastLocked(const slidedp::v1::SessionEvent& ev) {
 }
 
 absl::StatusOr<slidedp::v1::BeginStepResponse> Engine::BeginStep(
-    const slidedp::v1::BeginStepRequest& r) {
+    const slidedp::v1::BeginStepRequest& r, absl::Time deadline) {
   absl::MutexLock lock(&mu_);
-  RETURN_IF_ERROR(CheckJob(r.job_id()));
-  if (r.rank() >= ranks_.size() || !ranks_[r.rank()].attached) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("rank ", r.rank(), " is not attached; attach before beginning a step"));
+  // An export holds the steps that have not started: a BeginStep that would start one waits
+  // (bounded), then everything is checked again.
+  deadline = std::min(deadline, absl::Now() + kExportHoldMax);
+  for (;;) {
+    RETURN_IF_ERROR(CheckJob(r.job_id()));
+    RETURN_IF_ERROR(CheckRankTokenLocked(r.rank(), r.attach_token()));
+    RETURN_IF_ERROR(AwaitSealsLocked());
+    RETURN_IF_ERROR(CheckNotTornLocked());
+    // A step aborted before this rank began it (another rank's failure sealed it while this one
+    // was still finishing the previous step): the rank is told what happened, as a rank inside
+    // the step is, rather than that it asked for the wrong step.
+    if (r.step() < (running_step_ != 0 ? running_step_ : next_step_) &&
+        ranks_[r.rank()].last_step < r.step()) {
+      for (const auto& [step, reason] : recent_aborts_) {
+        if (step != r.step()) continue;
+        return absl::AbortedError(absl::StrCat(
+            "step ", step, " was aborted before rank ", r.rank(), " began it (", reason,
+            "); begin step ", running_step_ != 0 ? running_step_ : next_step_, " next"));
+      }
+    }
+    if (running_step_ == 0 && r.step() == next_step_ && export_active_) {
+      auto done = [this]()
+                      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return !export_active_ || !serving_; };
+      if (!mu_.AwaitWithDeadline(absl::Condition(&done), deadline)) {
+        return absl::UnavailableError(absl::StrCat(
+            "step: ", r.step(), " cannot start while an HF export holds the steps; retry"));
+      }
+      continue;
+    }
+    break;
   }
-  RETURN_IF_ERROR(AwaitSealsLocked());
-  RETURN_IF_ERROR(AwaitExportLocked());
-  RETURN_IF_ERROR(CheckNotTornLocked());
   // While step t's updates run, t + 1 is accepted at once and queued; it starts the moment t
   // completes (OnLayerDone). The ranks' forward of t + 1 waits per layer on the version gates.
   const bool queue = running_step_ != 0 && r.step() == running_step_ + 1;
@@ -1122,6 +1159,7 @@ void Engine::DropQueuedStepLocked(absl::string_view reason, bool bump_epoch) {
   const uint64_t step = queued_step_;
   if (step == 0) return;
   spdlog::warn("dropping queued step {}: {}", step, std::string(reason));
+  NoteAbortLocked(step, reason);
   queued_step_ = 0;
   // The step's ranks may be anywhere in it; only the abort epoch reaches all of them. Nothing of
   // the running step is disturbed: its pushers are done (the callers make sure of that).
@@ -1146,8 +1184,14 @@ void Engine::MarkCompletedLocked(uint64_t step) {
   }
 }
 
+void Engine::NoteAbortLocked(uint64_t step, absl::string_view reason) {
+  recent_aborts_.emplace_back(step, std::string(reason));
+  if (recent_aborts_.size() > kRecentAborts) recent_aborts_.pop_front();
+}
+
 void Engine::AbortStepLocked(uint64_t step, absl::string_view reason) {
   spdlog::warn("aborting step {}: {}", step, std::string(reason));
+  NoteAbortLocked(step, reason);
   steps_aborted_++;
   running_step_ = 0;
   next_step_ = step + 1;
@@ -1357,17 +1401,22 @@ absl::Status Engine::PublishCommId(const slidedp::v1::PublishCommIdRequest& r) {
     return absl::PermissionDeniedError(
         absl::StrCat("rank: only rank 0 publishes the communicator id, got rank ", r.rank()));
   }
+  RETURN_IF_ERROR(CheckRankTokenLocked(r.rank(), r.attach_token()));
   if (r.unique_id().empty() || r.unique_id().size() > 4096) {
     return absl::InvalidArgumentError(absl::StrCat(
         "unique_id: expected 1..4096 bytes (128 for NCCL), got ", r.unique_id().size()));
   }
-  if (comm_published_ && r.generation() < comm_generation_) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("generation: expected >= ", comm_generation_, ", got ", r.generation()));
+  if (r.generation() == 0) {
+    return absl::InvalidArgumentError("generation: expected >= 1, got 0");
   }
-  comm_id_ = r.unique_id();
-  comm_generation_ = r.generation();
-  comm_published_ = true;
+  // Ids are of rank 0's current attachment (ReleaseRankLocked drops them with it), so a new
+  // training process starts from any generation; within one attachment each is published once.
+  if (!comm_ids_.emplace(r.generation(), r.unique_id()).second) {
+    return absl::AlreadyExistsError(absl::StrCat(
+        "generation: ", r.generation(),
+        " is already published by this attachment of rank 0; a re-created communicator takes "
+        "the next generation"));
+  }
   return absl::OkStatus();
 }
 
@@ -1375,25 +1424,25 @@ absl::StatusOr<slidedp::v1::FetchCommIdResponse> Engine::FetchCommId(
     const slidedp::v1::FetchCommIdRequest& r) {
   absl::MutexLock lock(&mu_);
   RETURN_IF_ERROR(CheckJob(r.job_id()));
-  if (r.rank() >= job_->world_size()) {
-    return absl::OutOfRangeError(
-        absl::StrCat("rank: expected 0..", job_->world_size() - 1, ", got ", r.rank()));
-  }
+  RETURN_IF_ERROR(CheckRankTokenLocked(r.rank(), r.attach_token()));
   const uint64_t gen = r.generation();
-  auto ready = [this, gen]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    return !serving_ || (comm_published_ && comm_generation_ >= gen);
+  const std::string token = ranks_[r.rank()].token;
+  auto ready = [this, gen, &r, &token]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return !serving_ || comm_ids_.count(gen) != 0 || ranks_[r.rank()].token != token;
   };
   mu_.AwaitWithTimeout(
       absl::Condition(&ready),
       absl::Milliseconds(static_cast<int64_t>(std::min<uint64_t>(r.wait_ms(), 600000))));
   RETURN_IF_ERROR(CheckServing());
-  if (!comm_published_ || comm_generation_ < gen) {
+  RETURN_IF_ERROR(CheckRankTokenLocked(r.rank(), r.attach_token()));
+  auto it = comm_ids_.find(gen);
+  if (it == comm_ids_.end()) {
     return absl::DeadlineExceededError(
         absl::StrCat("rank 0 has not published the communicator id of generation ", gen, " within ",
-                     r.wait_ms(), " ms"));
+                     r.wait_ms(), " ms", ranks_[0].attached ? "" : " (rank 0 is not attached)"));
   }
   slidedp::v1::FetchCommIdResponse resp;
-  resp.set_unique_id(comm_id_);
+  resp.set_unique_id(it->second);
   return resp;
 }
 
@@ -1669,15 +1718,8 @@ absl::StatusOr<slidedp::v1::SessionOpened> Engine::OpenSession(
     const slidedp::v1::SessionOpen& open) {
   absl::MutexLock lock(&mu_);
   RETURN_IF_ERROR(CheckJob(open.job_id()));
-  if (open.rank() >= ranks_.size() || !ranks_[open.rank()].attached) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("rank ", open.rank(), " is not attached; call AttachRank first"));
-  }
+  RETURN_IF_ERROR(CheckRankTokenLocked(open.rank(), open.attach_token()));
   RankEntry& e = ranks_[open.rank()];
-  if (open.attach_token() != e.token) {
-    return absl::PermissionDeniedError(
-        absl::StrCat("attach_token: does not match the token issued to rank ", open.rank()));
-  }
   if (e.connected) {
     return absl::AlreadyExistsError(
         absl::StrCat("rank ", open.rank(), " already has an open session"));
@@ -1690,49 +1732,51 @@ absl::StatusOr<slidedp::v1::SessionOpened> Engine::OpenSession(
   return opened;
 }
 
-void Engine::SessionHeartbeat(uint32_t rank, const slidedp::v1::Heartbeat& hb) {
+bool Engine::IsAttachmentLocked(uint32_t rank, const std::string& token) const {
+  return rank < ranks_.size() && ranks_[rank].attached && ranks_[rank].token == token;
+}
+
+void Engine::SessionHeartbeat(uint32_t rank, const std::string& token,
+                              const slidedp::v1::Heartbeat& hb) {
   absl::MutexLock lock(&mu_);
-  if (rank >= ranks_.size() || !ranks_[rank].connected) return;
+  if (!IsAttachmentLocked(rank, token) || !ranks_[rank].connected) return;
   ranks_[rank].last_heartbeat = SteadyClock::now();
   shm::Atomic(state_->rank_slot(rank).heartbeat_ns).store(MonotonicNs());
   shm::Atomic(state_->rank_slot(rank).layer).store(hb.layer());
 }
 
-void Engine::SessionClosed(uint32_t rank, absl::string_view reason) {
+void Engine::SessionClosed(uint32_t rank, const std::string& token, absl::string_view reason) {
   absl::MutexLock lock(&mu_);
-  if (rank >= ranks_.size() || !ranks_[rank].attached) return;
+  // The stream of an attachment that already ended (the rank detached, or re-attached with a new
+  // token) closing late must not end the attachment that replaced it.
+  if (!IsAttachmentLocked(rank, token)) return;
   spdlog::warn("rank {} session closed: {}", rank, std::string(reason));
   if (running_step_ != 0 && serving_ && !AllLayersAt(*state_, running_step_, client_updated_)) {
     AbortStepLocked(running_step_, absl::StrCat("rank ", rank, " lost: ", reason));
   } else if (queued_step_ != 0 && serving_) {
     DropQueuedStepLocked(absl::StrCat("rank ", rank, " lost: ", reason));
   }
-  ranks_[rank] = RankEntry{};
-  shm::Atomic(state_->rank_slot(rank).attached).store(0, std::memory_order_release);
+  ReleaseRankLocked(rank);
 }
 
 std::optional<slidedp::v1::SessionEvent> Engine::NextSessionEvent(uint32_t rank,
+                                                                  const std::string& token,
                                                                   milliseconds timeout) {
   absl::MutexLock lock(&mu_);
-  auto ready = [this, rank]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    return rank >= ranks_.size() || !ranks_[rank].connected || !ranks_[rank].events.empty();
+  auto ready = [this, rank, &token]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return !IsAttachmentLocked(rank, token) || !ranks_[rank].connected ||
+           !ranks_[rank].events.empty();
   };
   mu_.AwaitWithTimeout(absl::Condition(&ready), absl::Milliseconds(timeout.count()));
-  if (rank >= ranks_.size() || ranks_[rank].events.empty()) return std::nullopt;
+  if (!IsAttachmentLocked(rank, token) || ranks_[rank].events.empty()) return std::nullopt;
   slidedp::v1::SessionEvent ev = std::move(ranks_[rank].events.front());
   ranks_[rank].events.pop_front();
   return ev;
 }
 
-bool Engine::SessionActive(uint32_t rank) const {
+bool Engine::SessionActive(uint32_t rank, const std::string& token) const {
   absl::MutexLock lock(&mu_);
-  return serving_ && rank < ranks_.size() && ranks_[rank].connected;
-}
-
-absl::Status Engine::AwaitExportLocked() {
-  auto done = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return !export_active_ || !serving_; };
-  mu_.Await(absl::Condition(&done));
-  return CheckServing();
+  return serving_ && IsAttachmentLocked(rank, token) && ranks_[rank].connected;
 }
 
 absl::StatusOr<slidedp::v1::ExportHFResponse> Engine::ExportHF(

@@ -36,6 +36,7 @@
 #include <chrono>
 #include <cstdint>
 #include <deque>
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
@@ -46,6 +47,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
 #include "common/instance_files.h"
 #include "common/thread_pool.h"
 #include "hostd/checkpoint.h"
@@ -82,7 +84,11 @@ class Engine {
   absl::StatusOr<slidedp::v1::AttachRankResponse> AttachRank(
       const slidedp::v1::AttachRankRequest& r);
   absl::Status DetachRank(const slidedp::v1::DetachRankRequest& r);
-  absl::StatusOr<slidedp::v1::BeginStepResponse> BeginStep(const slidedp::v1::BeginStepRequest& r);
+  // A BeginStep that would start a step while an HF export holds the steps waits for the export
+  // until `deadline` (the RPC's; at most 30 min), then UNAVAILABLE. ABORTED for a step that was
+  // aborted before this rank began it (naming the cause and the step to begin next).
+  absl::StatusOr<slidedp::v1::BeginStepResponse> BeginStep(
+      const slidedp::v1::BeginStepRequest& r, absl::Time deadline = absl::InfiniteFuture());
   absl::Status AbortStep(const slidedp::v1::AbortStepRequest& r);
   absl::Status PublishCommId(const slidedp::v1::PublishCommIdRequest& r);
   absl::StatusOr<slidedp::v1::FetchCommIdResponse> FetchCommId(
@@ -124,15 +130,18 @@ class Engine {
       const slidedp::v1::ReadClientLayerRequest& r);
 
   // --- sessions (one per attached rank; the service's stream handler drives these) ---
+  // A session belongs to one attachment: the rank and the attach_token AttachRank issued. The
+  // calls below act only while that attachment lasts, so the stream of an attachment that ended
+  // (a detach, a re-attach) cannot touch the one that replaced it.
   // Validates the token and marks the rank connected.
   absl::StatusOr<slidedp::v1::SessionOpened> OpenSession(const slidedp::v1::SessionOpen& open);
-  void SessionHeartbeat(uint32_t rank, const slidedp::v1::Heartbeat& hb);
+  void SessionHeartbeat(uint32_t rank, const std::string& token, const slidedp::v1::Heartbeat& hb);
   // The stream ended (rank died or detached): the rank is dropped and a running step aborted.
-  void SessionClosed(uint32_t rank, absl::string_view reason);
-  // False once the rank's session ended or missed its heartbeat deadline.
-  bool SessionActive(uint32_t rank) const;
-  // Waits up to `timeout` for the next event for `rank`; nullopt on timeout.
-  std::optional<slidedp::v1::SessionEvent> NextSessionEvent(uint32_t rank,
+  void SessionClosed(uint32_t rank, const std::string& token, absl::string_view reason);
+  // False once the attachment's session ended or missed its heartbeat deadline.
+  bool SessionActive(uint32_t rank, const std::string& token) const;
+  // Waits up to `timeout` for the attachment's next event; nullopt on timeout.
+  std::optional<slidedp::v1::SessionEvent> NextSessionEvent(uint32_t rank, const std::string& token,
                                                             std::chrono::milliseconds timeout);
 
   // --- data plane, in process (the shared-memory protocol of rankclient drives the same path) ---
@@ -203,6 +212,15 @@ class Engine {
   void FinalCheckpoint();
   absl::Status CheckJob(absl::string_view job_id) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
   absl::Status CheckServing() const ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  // FAILED_PRECONDITION / PERMISSION_DENIED unless `rank` is attached with `token`.
+  absl::Status CheckRankTokenLocked(uint32_t rank, const std::string& token) const
+      ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  bool IsAttachmentLocked(uint32_t rank, const std::string& token) const
+      ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  // Ends the rank's attachment (a detach or a lost session); rank 0's comm ids go with it.
+  void ReleaseRankLocked(uint32_t rank) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Remembers an aborted or dropped step and why, for a rank that asks to begin it later.
+  void NoteAbortLocked(uint64_t step, absl::string_view reason) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void AbortStepLocked(uint64_t step, absl::string_view reason) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // `step` becomes the running step: the reducer is armed, the ranks are told.
   void StartStepLocked(uint64_t step) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -216,8 +234,6 @@ class Engine {
   void BumpAbortEpochLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Waits (bounded) until the worker has sealed every aborted step.
   absl::Status AwaitSealsLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Waits while an ExportHF holds the steps (UNAVAILABLE if hostd stops meanwhile).
-  absl::Status AwaitExportLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // FAILED_PRECONDITION naming the torn layers, if any.
   absl::Status CheckNotTornLocked() const ABSL_SHARED_LOCKS_REQUIRED(mu_);
   std::string TornMessageLocked() const ABSL_SHARED_LOCKS_REQUIRED(mu_);
@@ -289,9 +305,10 @@ class Engine {
   uint64_t exports_completed_ ABSL_GUARDED_BY(mu_) = 0;
   std::vector<uint32_t> torn_layers_ ABSL_GUARDED_BY(mu_);
   std::vector<double> last_grad_norm_ ABSL_GUARDED_BY(mu_);
-  std::string comm_id_ ABSL_GUARDED_BY(mu_);
-  uint64_t comm_generation_ ABSL_GUARDED_BY(mu_) = 0;
-  bool comm_published_ ABSL_GUARDED_BY(mu_) = false;
+  // The communicator ids rank 0's current attachment published, by generation.
+  std::map<uint64_t, std::string> comm_ids_ ABSL_GUARDED_BY(mu_);
+  // The last aborted or dropped steps and their causes, oldest first.
+  std::deque<std::pair<uint64_t, std::string>> recent_aborts_ ABSL_GUARDED_BY(mu_);
   uint64_t token_counter_ ABSL_GUARDED_BY(mu_) = 0;
   bool monitor_stop_ ABSL_GUARDED_BY(mu_) = false;
   // An ExportHF is writing: no step starts (BeginStep waits, a queued step stays queued).

@@ -221,18 +221,42 @@ TEST_F(EngineTest, BadInputGetsSpecificStatusAndLeavesStateUntouched) {
     v1::PublishCommIdRequest r;
     r.set_rank(1);
     r.set_unique_id(std::string(128, 'x'));
+    r.set_generation(1);
     v1::PublishCommIdResponse resp;
     cases.push_back({"publish from rank 1", call(&v1::Control::Stub::PublishCommId, r, &resp),
                      grpc::StatusCode::PERMISSION_DENIED, "rank"});
     r.set_rank(0);
+    cases.push_back({"publish unattached", call(&v1::Control::Stub::PublishCommId, r, &resp),
+                     grpc::StatusCode::FAILED_PRECONDITION, "rank 0 is not attached"});
+    const std::string token = Attach(0).attach_token();
+    r.set_attach_token("forged");
+    cases.push_back({"publish with a forged token",
+                     call(&v1::Control::Stub::PublishCommId, r, &resp),
+                     grpc::StatusCode::PERMISSION_DENIED, "attach_token"});
+    r.set_attach_token(token);
     r.set_unique_id("");
     cases.push_back({"empty comm id", call(&v1::Control::Stub::PublishCommId, r, &resp),
                      grpc::StatusCode::INVALID_ARGUMENT, "unique_id"});
+    r.set_unique_id("x");
+    r.set_generation(0);
+    cases.push_back({"comm id of generation 0", call(&v1::Control::Stub::PublishCommId, r, &resp),
+                     grpc::StatusCode::INVALID_ARGUMENT, "generation: expected >= 1"});
     v1::FetchCommIdRequest f;
     f.set_wait_ms(50);
+    f.set_generation(1);
+    f.set_attach_token(token);
     v1::FetchCommIdResponse fresp;
     cases.push_back({"fetch before publish", call(&v1::Control::Stub::FetchCommId, f, &fresp),
                      grpc::StatusCode::DEADLINE_EXCEEDED, "published"});
+    v1::BeginStepRequest b;
+    b.set_step(1);
+    v1::BeginStepResponse bresp;
+    cases.push_back({"begin step without the token", call(&v1::Control::Stub::BeginStep, b, &bresp),
+                     grpc::StatusCode::PERMISSION_DENIED, "attach_token"});
+    v1::DetachRankRequest d;
+    d.set_attach_token(token);
+    v1::DetachRankResponse dresp;
+    EXPECT_TRUE(call(&v1::Control::Stub::DetachRank, d, &dresp).ok());
   }
   {
     v1::UpdateHyperParamsRequest r;
@@ -643,6 +667,7 @@ TEST_F(EngineTest, CheckpointAwaitsTheClientLayersUploadedByRankZero) {
     // Read back while hostd's copy is the job's state (between steps, at version 1).
     grpc::ClientContext ctx;
     v1::ReadClientLayerRequest req;
+    req.set_attach_token(tok);
     req.set_layer(layer);
     req.set_part(2);
     req.set_offset(3);
@@ -658,6 +683,7 @@ TEST_F(EngineTest, CheckpointAwaitsTheClientLayersUploadedByRankZero) {
   {
     grpc::ClientContext ctx;
     v1::ReadClientLayerRequest req;
+    req.set_attach_token(tok);
     req.set_layer(0);
     req.set_count(1);
     v1::ReadClientLayerResponse rr;
@@ -700,6 +726,7 @@ TEST_F(EngineTest, SessionEndAbortsRunningStepAndSealsVersions) {
   grpc::ClientContext bctx;
   v1::BeginStepRequest b;
   b.set_step(1);
+  b.set_attach_token(a.attach_token());
   v1::BeginStepResponse br;
   ASSERT_TRUE(stub_->BeginStep(&bctx, b, &br).ok());
   ASSERT_TRUE(stream->Read(&ev));
@@ -735,26 +762,203 @@ TEST_F(EngineTest, SessionEndAbortsRunningStepAndSealsVersions) {
   EXPECT_NE(engine_->state()->Checksum(), before);
 }
 
-TEST_F(EngineTest, NcclIdRendezvous) {
+// A service takes any number of attach / detach cycles on the GPU routes: each training
+// process's rank 0 publishes its communicators' ids from generation 1 again (the second
+// process was refused: "PublishCommId: generation: expected >= 2, got 1"), and a rank of the
+// new process that asks before rank 0 has published waits for the new id instead of getting
+// the last process's (its NCCL init would wait for a rank 0 long gone).
+TEST_F(EngineTest, CommIdsLiveWithRankZerosAttachmentAcrossAttachCycles) {
   config_.world_size = 2;
   Start();
-  std::thread fetcher([&] {
+  auto publish = [&](const std::string& token, uint64_t gen, const std::string& id) {
+    grpc::ClientContext ctx;
+    v1::PublishCommIdRequest p;
+    p.set_unique_id(id);
+    p.set_generation(gen);
+    p.set_attach_token(token);
+    v1::PublishCommIdResponse pr;
+    return stub_->PublishCommId(&ctx, p, &pr);
+  };
+  auto fetch = [&](const std::string& token, uint64_t gen, std::string* id) {
     grpc::ClientContext ctx;
     v1::FetchCommIdRequest f;
     f.set_rank(1);
-    f.set_wait_ms(5000);
+    f.set_generation(gen);
+    f.set_wait_ms(10000);
+    f.set_attach_token(token);
     v1::FetchCommIdResponse resp;
     grpc::Status s = stub_->FetchCommId(&ctx, f, &resp);
-    EXPECT_TRUE(s.ok()) << s.error_message();
-    EXPECT_EQ(resp.unique_id(), std::string(128, '\x07'));
+    *id = resp.unique_id();
+    return s;
+  };
+  auto detach = [&](uint32_t rank, const std::string& token) {
+    grpc::ClientContext ctx;
+    v1::DetachRankRequest d;
+    d.set_rank(rank);
+    d.set_attach_token(token);
+    v1::DetachRankResponse dr;
+    return stub_->DetachRank(&ctx, d, &dr);
+  };
+  for (int cycle = 0; cycle < 3; ++cycle) {
+    SCOPED_TRACE(cycle);
+    const std::string t0 = Attach(0).attach_token();
+    const std::string t1 = Attach(1).attach_token();
+    const std::string id1(128, static_cast<char>('a' + 2 * cycle));
+    const std::string id2(128, static_cast<char>('b' + 2 * cycle));
+    std::string got;
+    std::thread fetcher([&] {
+      grpc::Status s = fetch(t1, 1, &got);
+      EXPECT_TRUE(s.ok()) << s.error_message();
+    });
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    grpc::Status p1 = publish(t0, 1, id1);
+    ASSERT_TRUE(p1.ok()) << p1.error_message();
+    fetcher.join();
+    EXPECT_EQ(got, id1) << "rank 1 got another attachment's id";
+    ASSERT_TRUE(publish(t0, 2, id2).ok());
+    ASSERT_TRUE(fetch(t1, 2, &got).ok());
+    EXPECT_EQ(got, id2);
+    grpc::Status again = publish(t0, 1, id2);
+    EXPECT_EQ(again.error_code(), grpc::StatusCode::ALREADY_EXISTS) << again.error_message();
+    ASSERT_TRUE(detach(1, t1).ok());
+    ASSERT_TRUE(detach(0, t0).ok());
+  }
+}
+
+// The stream of an attachment that ended (the rank detached and attached again) closing late
+// leaves the new attachment alone: sessions were keyed by the rank number only, so the old
+// stream's end detached the new rank.
+TEST_F(EngineTest, AStaleSessionClosingDoesNotDropTheNewAttachment) {
+  Start();
+  auto open_session = [&](grpc::ClientContext* ctx, const std::string& token) {
+    auto stream = stub_->Session(ctx);
+    v1::SessionClientMessage open;
+    open.mutable_open()->set_attach_token(token);
+    EXPECT_TRUE(stream->Write(open));
+    v1::SessionEvent ev;
+    EXPECT_TRUE(stream->Read(&ev));
+    EXPECT_TRUE(ev.has_opened());
+    return stream;
+  };
+  const std::string old_token = Attach(0).attach_token();
+  grpc::ClientContext old_ctx;
+  auto old_stream = open_session(&old_ctx, old_token);
+  {
+    grpc::ClientContext ctx;
+    v1::DetachRankRequest d;
+    d.set_attach_token(old_token);
+    v1::DetachRankResponse dr;
+    ASSERT_TRUE(stub_->DetachRank(&ctx, d, &dr).ok());
+  }
+  const std::string new_token = Attach(0).attach_token();
+  grpc::ClientContext new_ctx;
+  auto new_stream = open_session(&new_ctx, new_token);
+  old_ctx.TryCancel();  // the old attachment's stream ends now
+  // The old stream's handler polls every 100 ms; give it several periods to act.
+  std::this_thread::sleep_for(std::chrono::milliseconds(600));
+  grpc::ClientContext lctx;
+  v1::ListRanksResponse ranks;
+  ASSERT_TRUE(stub_->ListRanks(&lctx, v1::ListRanksRequest(), &ranks).ok());
+  ASSERT_EQ(ranks.ranks_size(), 1);
+  EXPECT_TRUE(ranks.ranks(0).attached());
+  EXPECT_TRUE(ranks.ranks(0).connected());
+  grpc::ClientContext bctx;
+  v1::BeginStepRequest b;
+  b.set_step(1);
+  b.set_attach_token(new_token);
+  v1::BeginStepResponse br;
+  grpc::Status s = stub_->BeginStep(&bctx, b, &br);
+  EXPECT_TRUE(s.ok()) << s.error_message();
+  new_ctx.TryCancel();
+}
+
+// An export that arrives between rank 0's and rank 1's BeginStep(t) waits for step t, which
+// needs rank 1: rank 1's BeginStep joins the running step at once (it blocked, untimed, until
+// the export gave up after 10 minutes), and the export lands on the step boundary after it.
+TEST_F(EngineTest, ExportBetweenTheRanksBeginStepDoesNotStallTheStep) {
+  config_.world_size = 2;
+  Start();
+  const std::string t0 = Attach(0).attach_token();
+  const std::string t1 = Attach(1).attach_token();
+  auto begin = [&](uint32_t rank, const std::string& token, uint64_t step) {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(20));
+    v1::BeginStepRequest b;
+    b.set_rank(rank);
+    b.set_step(step);
+    b.set_attach_token(token);
+    v1::BeginStepResponse br;
+    return stub_->BeginStep(&ctx, b, &br);
+  };
+  ASSERT_TRUE(begin(0, t0, 1).ok());
+  v1::ExportHFResponse exported;
+  std::future<grpc::Status> export_done = std::async(std::launch::async, [&] {
+    grpc::ClientContext ctx;
+    v1::ExportHFRequest req;
+    req.set_out_dir((dir_ / "export").string());
+    return stub_->ExportHF(&ctx, req, &exported);
   });
-  std::this_thread::sleep_for(std::chrono::milliseconds(50));
-  grpc::ClientContext ctx;
-  v1::PublishCommIdRequest p;
-  p.set_unique_id(std::string(128, '\x07'));
-  v1::PublishCommIdResponse pr;
-  ASSERT_TRUE(stub_->PublishCommId(&ctx, p, &pr).ok());
-  fetcher.join();
+  // Time for the export to arrive and start waiting for step 1 (had it not yet, rank 1 would
+  // join first, which must work as well).
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  const auto t_begin = std::chrono::steady_clock::now();
+  grpc::Status joined = begin(1, t1, 1);
+  ASSERT_TRUE(joined.ok()) << joined.error_message();
+  EXPECT_LT(std::chrono::steady_clock::now() - t_begin, std::chrono::seconds(15));
+  EXPECT_EQ(export_done.wait_for(std::chrono::milliseconds(0)), std::future_status::timeout)
+      << "the export did not wait for the running step";
+  std::vector<std::vector<uint16_t>> grads;
+  for (const LayerInfo& l : engine_->state()->layers()) grads.emplace_back(l.numel, 0x3c00);
+  for (uint32_t l = engine_->state()->num_layers(); l-- > 0;) {
+    ASSERT_TRUE(
+        engine_->SubmitGradient(l, 1, {grads[l].data(), kernels::GradType::kBf16, grads[l].size()})
+            .ok());
+  }
+  ASSERT_EQ(export_done.wait_for(std::chrono::seconds(60)), std::future_status::ready);
+  grpc::Status es = export_done.get();
+  ASSERT_TRUE(es.ok()) << es.error_message();
+  EXPECT_EQ(exported.version(), 1u);
+  EXPECT_TRUE(begin(0, t0, 2).ok());
+  EXPECT_TRUE(begin(1, t1, 2).ok());
+}
+
+// Step t aborted by one rank's loss before another rank began it: that rank's BeginStep(t) is
+// ABORTED naming the step and the cause (it was OUT_OF_RANGE "expected t + 1 (next), got t",
+// which a client cannot tell from its own mistake: fault_test flaked on it under load).
+TEST_F(EngineTest, BeginStepOfAStepAbortedBeforeTheRankBeganItIsAborted) {
+  config_.world_size = 2;
+  Start();
+  const std::string t0 = Attach(0).attach_token();
+  const std::string t1 = Attach(1).attach_token();
+  auto begin = [&](uint32_t rank, const std::string& token, uint64_t step) {
+    grpc::ClientContext ctx;
+    v1::BeginStepRequest b;
+    b.set_rank(rank);
+    b.set_step(step);
+    b.set_attach_token(token);
+    v1::BeginStepResponse br;
+    return stub_->BeginStep(&ctx, b, &br);
+  };
+  ASSERT_TRUE(begin(1, t1, 1).ok());
+  {
+    grpc::ClientContext ctx;
+    v1::AbortStepRequest a;
+    a.set_step(1);
+    a.set_reason("rank 1 ran out of memory");
+    v1::AbortStepResponse ar;
+    ASSERT_TRUE(stub_->AbortStep(&ctx, a, &ar).ok());
+  }
+  grpc::Status late = begin(0, t0, 1);
+  EXPECT_EQ(late.error_code(), grpc::StatusCode::ABORTED) << late.error_message();
+  EXPECT_NE(late.error_message().find("step 1 was aborted before rank 0 began it"),
+            std::string::npos)
+      << late.error_message();
+  EXPECT_NE(late.error_message().find("rank 1 ran out of memory"), std::string::npos);
+  EXPECT_NE(late.error_message().find("begin step 2"), std::string::npos);
+  // Rank 1, which had begun step 1 (and was told of the abort in it), is not told again.
+  EXPECT_EQ(begin(1, t1, 1).error_code(), grpc::StatusCode::OUT_OF_RANGE);
+  EXPECT_TRUE(begin(0, t0, 2).ok());
+  EXPECT_TRUE(begin(1, t1, 2).ok());
 }
 
 TEST_F(EngineTest, SecondDaemonOnSameSocketOrInstanceIsRefused) {
@@ -1006,9 +1210,10 @@ class OverlapTest : public ::testing::TestWithParam<v1::GradRoute> {
     return e.SubmitGradient(layer, step, {g.data(), kernels::GradType::kFp32, g.size()},
                             std::move(done));
   }
-  static absl::Status Begin(Engine& e, uint64_t step) {
+  static absl::Status Begin(Engine& e, const rankclient::RankClient& c, uint64_t step) {
     v1::BeginStepRequest b;
     b.set_step(step);
+    b.set_attach_token(c.attach_token());
     return e.BeginStep(b).status();
   }
   // The state checksum after steps 1 and 2 run strictly in sequence on a fresh job: step 1 with
@@ -1072,7 +1277,7 @@ TEST_P(OverlapTest, NextStepBeginsAtOnceAndRunsWhenThePreviousCompletes) {
   EXPECT_EQ(run->Job().step_state(), "running");
   EXPECT_EQ(run->Job().step(), 0u);  // no step completed yet
   // Two steps ahead is refused, naming both acceptable steps.
-  absl::Status ahead = Begin(e, 3);
+  absl::Status ahead = Begin(e, c, 3);
   EXPECT_EQ(ahead.code(), absl::StatusCode::kOutOfRange) << ahead;
   EXPECT_NE(ahead.message().find("expected 1 (running) or 2 (queued"), std::string::npos) << ahead;
 
@@ -1222,7 +1427,7 @@ TEST_P(OverlapTest, AbortWithAQueuedStepDropsItAndItsRankBeginsItAgain) {
   EXPECT_EQ(run->StepsAborted(), 1u);  // step 1; the dropped step 2 never ran
 
   gate.Release();  // the aborted step's seal runs behind the held update
-  EXPECT_EQ(Begin(e, 3).code(), absl::StatusCode::kOutOfRange);  // 2 is the next step
+  EXPECT_EQ(Begin(e, c, 3).code(), absl::StatusCode::kOutOfRange);  // 2 is the next step
   ASSERT_TRUE(c.BeginStep(2, kWait).ok());
   EXPECT_EQ(run->Job().step_state(), "running");
   ASSERT_TRUE(Push(c, 2, 1, g12).ok());

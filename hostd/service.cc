@@ -15,6 +15,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
+#include "absl/time/time.h"
 #include "common/status_macros.h"
 #include "slidedp/v1/control.grpc.pb.h"
 #include "spdlog/spdlog.h"
@@ -79,6 +80,15 @@ absl::Status PrepareSocketPath(const std::string& path) {
   return absl::OkStatus();
 }
 
+// The client's deadline (none: infinite), for handlers that wait on the engine.
+absl::Time DeadlineOf(const grpc::ServerContext* ctx) {
+  const auto d = ctx->deadline();
+  if (d >= std::chrono::system_clock::now() + std::chrono::hours(24 * 365)) {
+    return absl::InfiniteFuture();
+  }
+  return absl::FromChrono(d);
+}
+
 bool IsLoopback(const std::string& hostport) {
   return absl::StartsWith(hostport, "127.") || absl::StartsWith(hostport, "localhost:") ||
          absl::StartsWith(hostport, "[::1]:");
@@ -106,9 +116,9 @@ class ControlServer::Impl final : public v1::Control::Service {
                           v1::DetachRankResponse*) override {
     return ToGrpcStatus(engine_->DetachRank(*req));
   }
-  grpc::Status BeginStep(grpc::ServerContext*, const v1::BeginStepRequest* req,
+  grpc::Status BeginStep(grpc::ServerContext* ctx, const v1::BeginStepRequest* req,
                          v1::BeginStepResponse* resp) override {
-    return Reply(engine_->BeginStep(*req), resp);
+    return Reply(engine_->BeginStep(*req, DeadlineOf(ctx)), resp);
   }
   grpc::Status AbortStep(grpc::ServerContext*, const v1::AbortStepRequest* req,
                          v1::AbortStepResponse*) override {
@@ -179,6 +189,7 @@ class ControlServer::Impl final : public v1::Control::Service {
     auto opened = engine_->OpenSession(first.open());
     if (!opened.ok()) return ToGrpcStatus(opened.status());
     const uint32_t rank = first.open().rank();
+    const std::string token = first.open().attach_token();
     v1::SessionEvent hello;
     *hello.mutable_opened() = *opened;
     stream->Write(hello);
@@ -187,7 +198,7 @@ class ControlServer::Impl final : public v1::Control::Service {
     std::thread reader([&] {
       v1::SessionClientMessage m;
       while (stream->Read(&m)) {
-        if (m.has_heartbeat()) engine_->SessionHeartbeat(rank, m.heartbeat());
+        if (m.has_heartbeat()) engine_->SessionHeartbeat(rank, token, m.heartbeat());
       }
       closed.store(true);
     });
@@ -197,18 +208,18 @@ class ControlServer::Impl final : public v1::Control::Service {
         reason = "stream cancelled";
         break;
       }
-      if (!engine_->SessionActive(rank)) {
+      if (!engine_->SessionActive(rank, token)) {
         reason = "session ended by hostd (heartbeat deadline or shutdown)";
         break;
       }
       std::optional<v1::SessionEvent> ev =
-          engine_->NextSessionEvent(rank, std::chrono::milliseconds(100));
+          engine_->NextSessionEvent(rank, token, std::chrono::milliseconds(100));
       if (ev && !stream->Write(*ev)) {
         reason = "write to the rank failed";
         break;
       }
     }
-    engine_->SessionClosed(rank, reason);
+    engine_->SessionClosed(rank, token, reason);
     ctx->TryCancel();  // unblocks the reader's Read
     reader.join();
     return grpc::Status::OK;

@@ -360,6 +360,7 @@ absl::Status RankClient::BeginStep(uint64_t step, std::chrono::milliseconds time
   req.set_job_id(job_id_);
   req.set_rank(options_.rank);
   req.set_step(step);
+  req.set_attach_token(token_);
   v1::BeginStepResponse resp;
   // The epoch is read before the RPC: an abort of this step after hostd accepted it is seen.
   const uint64_t epoch = shm::Atomic(cb_->abort_epoch).load(std::memory_order_acquire);
@@ -603,6 +604,7 @@ absl::Status RankClient::PublishCommId(const std::string& unique_id, uint64_t ge
   req.set_rank(options_.rank);
   req.set_unique_id(unique_id);
   req.set_generation(generation);
+  req.set_attach_token(token_);
   v1::PublishCommIdResponse resp;
   return FromGrpc(session_->stub->PublishCommId(&ctx, req, &resp), "PublishCommId");
 }
@@ -616,6 +618,7 @@ absl::StatusOr<std::string> RankClient::FetchCommId(uint64_t generation,
   req.set_rank(options_.rank);
   req.set_generation(generation);
   req.set_wait_ms(static_cast<uint64_t>(timeout.count()));
+  req.set_attach_token(token_);
   v1::FetchCommIdResponse resp;
   RETURN_IF_ERROR(FromGrpc(session_->stub->FetchCommId(&ctx, req, &resp), "FetchCommId"));
   return resp.unique_id();
@@ -670,6 +673,8 @@ absl::Status RankClient::ReadClientLayer(uint32_t layer, uint32_t part, uint64_t
   if (dst == nullptr && count > 0) return absl::InvalidArgumentError("dst is null");
   v1::ReadClientLayerRequest req;
   req.set_job_id(options_.job_id);
+  req.set_rank(options_.rank);
+  req.set_attach_token(token_);
   req.set_layer(layer);
   req.set_part(part);
   for (uint64_t done = 0; done < count;) {

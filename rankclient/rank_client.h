@@ -90,6 +90,8 @@ class RankClient {
   RankClient& operator=(const RankClient&) = delete;
 
   uint32_t rank() const { return options_.rank; }
+  // The token AttachRank issued to this attachment (every rank RPC carries it).
+  const std::string& attach_token() const { return token_; }
   uint32_t world_size() const { return layout_.world_size(); }
   uint32_t num_layers() const { return static_cast<uint32_t>(layout_.layers_size()); }
   const slidedp::v1::Layout& layout() const { return layout_; }

@@ -256,9 +256,10 @@ TEST_F(CtlTest, VersionSkewAtHandshakeExits4AndPrintsDaemonMessage) {
   const CtlResult r = Ctl(At({"layers"}));
   EXPECT_EQ(r.code, kExitRejected);
   EXPECT_THAT(r.out, IsEmpty());
-  EXPECT_THAT(r.err, StartsWith("slidedpctl: hostd rejected Handshake: FAILED_PRECONDITION: "
-                                "client protocol_version 1 is not supported; hostd 9.0.0 speaks "
-                                "protocol 9\n"));
+  EXPECT_THAT(r.err, StartsWith(absl::StrCat(
+                         "slidedpctl: hostd rejected Handshake: FAILED_PRECONDITION: "
+                         "client protocol_version ",
+                         kProtocolVersion, " is not supported; hostd 9.0.0 speaks protocol 9\n")));
   EXPECT_THAT(r.err, HasSubstr("slidedpctl: version skew: this slidedpctl is"));
 }
 
