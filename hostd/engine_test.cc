@@ -4,6 +4,8 @@
 #include "hostd/engine.h"
 
 #include <grpcpp/grpcpp.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 #include <atomic>
 #include <barrier>
@@ -14,6 +16,7 @@
 #include <random>
 #include <thread>
 
+#include "common/instance_files.h"
 #include "common/version.h"
 #include "gtest/gtest.h"
 #include "hostd/checkpoint_format.h"
@@ -684,6 +687,64 @@ TEST_F(EngineTest, SecondDaemonOnSameSocketOrInstanceIsRefused) {
   auto tcp = ControlServer::Start(engine_.get(), {"", "0.0.0.0:0", 0600});
   ASSERT_FALSE(tcp.ok());
   EXPECT_NE(tcp.status().message().find("loopback"), std::string::npos);
+}
+
+constexpr shm::SegmentKind kSegmentKinds[] = {shm::SegmentKind::kControl, shm::SegmentKind::kState,
+                                              shm::SegmentKind::kParams, shm::SegmentKind::kGrads};
+
+// Removes whatever a test left under the instance's names, whoever owns it (on any exit).
+struct ShmJanitor {
+  std::string inst;
+  ~ShmJanitor() {
+    for (auto kind : kSegmentKinds) unlink(("/dev/shm/" + SegmentName(inst, kind)).c_str());
+    unlink(InstanceLockPath(inst).c_str());
+  }
+};
+
+// Issue #17: segments another user planted under the instance's names (world-writable, which any
+// user can make; as root also owned by nobody) look like a crashed hostd's consistent state at
+// step 0. hostd refuses to start on them, whatever recovery_on_inconsistent says (checkpoint and
+// fresh would remove them, a consistent state would be adopted), and leaves them as they are.
+TEST_F(EngineTest, ForeignLeftoverSegmentsRefuseStartForEveryRecoveryPolicy) {
+  ShmJanitor janitor{config_.instance};
+  {
+    auto crashed = Engine::Create(config_);  // destroyed without removing its state
+    ASSERT_TRUE(crashed.ok()) << crashed.status();
+  }
+  for (auto kind : kSegmentKinds) {
+    const std::string path = "/dev/shm/" + SegmentName(config_.instance, kind);
+    ASSERT_EQ(chmod(path.c_str(), 0666), 0) << path;
+    if (geteuid() == 0) {
+      ASSERT_EQ(chown(path.c_str(), 65534, 65534), 0) << path;
+    }
+  }
+  const std::string control =
+      "/dev/shm/" + SegmentName(config_.instance, shm::SegmentKind::kControl);
+  for (const char* policy : {"checkpoint", "fresh", "refuse"}) {
+    config_.recovery_on_inconsistent = policy;
+    auto e = Engine::Create(config_);
+    if (e.ok()) {
+      ADD_FAILURE() << "recovery_on_inconsistent " << policy << ": hostd started on them";
+      continue;  // destroyed as a crash would be: the segments stay
+    }
+    EXPECT_EQ(e.status().code(), absl::StatusCode::kFailedPrecondition) << e.status();
+    const std::string msg(e.status().message());
+    for (const std::string& part : {"segment " + control, std::string("mode 0666"),
+                                    std::string("expected a regular file owned by ") +
+                                        (geteuid() == 0 ? "uid 0 (root)" : "uid"),
+                                    "rm " + control}) {
+      EXPECT_NE(msg.find(part), std::string::npos) << policy << ": no '" << part << "' in " << msg;
+    }
+    if (geteuid() == 0) {
+      EXPECT_NE(msg.find("owned by uid 65534 (nobody)"), std::string::npos) << msg;
+    }
+    for (auto kind : kSegmentKinds) {
+      struct stat st;
+      const std::string path = "/dev/shm/" + SegmentName(config_.instance, kind);
+      EXPECT_EQ(stat(path.c_str(), &st), 0) << policy << ": " << path << " was removed";
+      EXPECT_EQ(st.st_mode & 0777, 0666u) << path;
+    }
+  }
 }
 
 }  // namespace

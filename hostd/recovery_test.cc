@@ -3,6 +3,11 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <fstream>
+#include <iterator>
+#include <string>
+#include <vector>
+
 #include "common/instance_files.h"
 #include "gtest/gtest.h"
 #include "hostd/test_util.h"
@@ -38,6 +43,26 @@ void CrashedState(const TrainingState::Options& o, uint64_t version, uint64_t* c
   shm::Atomic((*s)->chunk_slot(0, 2).state).store(shm::kSlotFull);
   if (checksum != nullptr) *checksum = (*s)->Checksum();
 }
+
+constexpr shm::SegmentKind kKinds[] = {shm::SegmentKind::kControl, shm::SegmentKind::kState,
+                                       shm::SegmentKind::kParams, shm::SegmentKind::kGrads};
+
+constexpr const char* kPolicyNames[] = {"checkpoint", "fresh", "refuse"};  // OnInconsistent
+
+std::string ShmPath(const std::string& inst, shm::SegmentKind kind) {
+  return "/dev/shm/" + SegmentName(inst, kind);
+}
+
+// Removes whatever a test left under the instance's names, whoever owns it (on any exit).
+struct ShmJanitor {
+  std::string inst;
+  std::vector<std::string> more;
+  ~ShmJanitor() {
+    for (auto kind : kKinds) unlink(ShmPath(inst, kind).c_str());
+    unlink(InstanceLockPath(inst).c_str());
+    for (const std::string& path : more) unlink(path.c_str());
+  }
+};
 
 bool AnySegment(const std::string& inst) {
   for (auto k : {shm::SegmentKind::kControl, shm::SegmentKind::kState, shm::SegmentKind::kParams,
@@ -206,6 +231,60 @@ TEST(InstanceLockTest, OneOwnerAndCleanupNeverTouchesALiveOne) {
   EXPECT_FALSE(AnySegment(inst));
   EXPECT_NE(stat(InstanceLockPath(inst).c_str(), &st), 0);
   EXPECT_EQ(InstanceLock::Acquire("bad/name").status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+// The report of issue #17: segments another user made (any user can: world-writable, and as root
+// this test also chowns them to nobody) carry headers anyone can predict, so they look like a
+// crashed hostd's consistent state. Whatever recovery_on_inconsistent says, hostd neither adopts
+// nor removes them: FAILED_PRECONDITION naming the file, its owner and mode, what was expected
+// and what to do; every segment stays as it was. Also for inconsistent state, where `fresh` and
+// `checkpoint` would remove it.
+TEST(RecoverInstanceTest, ForeignSegmentsAreNeitherAdoptedNorRemovedWhateverThePolicy) {
+  for (const bool consistent : {true, false}) {
+    const auto o = Opts(UniqueInstance("planted"));
+    ShmJanitor janitor{o.instance, {}};
+    uint64_t before = 0;
+    ASSERT_NO_FATAL_FAILURE(CrashedState(o, 6, &before));
+    if (!consistent) {
+      auto s = TrainingState::Open(o);
+      ASSERT_TRUE(s.ok()) << s.status();
+      (*s)->BeginLayerWrite(1, 7);
+    }
+    for (auto kind : kKinds) {
+      ASSERT_EQ(chmod(ShmPath(o.instance, kind).c_str(), 0666), 0);
+      if (geteuid() == 0) {
+        ASSERT_EQ(chown(ShmPath(o.instance, kind).c_str(), 65534, 65534), 0);
+      }
+    }
+    const std::string control = ShmPath(o.instance, shm::SegmentKind::kControl);
+    for (auto policy :
+         {OnInconsistent::kRefuse, OnInconsistent::kFresh, OnInconsistent::kCheckpoint}) {
+      auto r =
+          RecoverInstance(o, policy, [] { return std::optional<std::string>("/nonexistent"); });
+      if (r.ok()) {
+        ADD_FAILURE() << (consistent ? "consistent" : "inconsistent") << " state, policy "
+                      << kPolicyNames[static_cast<int>(policy)] << ": "
+                      << RecoveryActionName(r->plan.action);
+        continue;
+      }
+      EXPECT_EQ(r.status().code(), absl::StatusCode::kFailedPrecondition) << r.status();
+      const std::string msg(r.status().message());
+      for (const std::string& part :
+           {"instance '" + o.instance + "'", "segment " + control, std::string("mode 0666"),
+            std::string("mode 0600 or narrower"), std::string("check who created it"),
+            "rm " + control}) {
+        EXPECT_NE(msg.find(part), std::string::npos) << "no '" << part << "' in: " << msg;
+      }
+      if (geteuid() == 0) {
+        EXPECT_NE(msg.find("owned by uid 65534 (nobody)"), std::string::npos) << msg;
+      }
+      for (auto kind : kKinds) {
+        struct stat st;
+        EXPECT_EQ(stat(ShmPath(o.instance, kind).c_str(), &st), 0) << ShmPath(o.instance, kind);
+        EXPECT_EQ(st.st_mode & 0777, 0666u);  // not even re-permissioned
+      }
+    }
+  }
 }
 
 }  // namespace
