@@ -64,6 +64,11 @@ struct ShmJanitor {
   }
 };
 
+std::string ReadFile(const std::string& path) {
+  std::ifstream in(path);
+  return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+}
+
 bool AnySegment(const std::string& inst) {
   for (auto k : {shm::SegmentKind::kControl, shm::SegmentKind::kState, shm::SegmentKind::kParams,
                  shm::SegmentKind::kGrads}) {
@@ -212,7 +217,7 @@ TEST(InstanceLockTest, OneOwnerAndCleanupNeverTouchesALiveOne) {
   ASSERT_EQ(listed->size(), 1u);
   EXPECT_EQ((*listed)[0].files.size(), 5u);  // four segments and the lock
   EXPECT_EQ((*listed)[0].live_pid, getpid());
-  auto refused = RemoveStaleInstance(inst);
+  auto refused = RemoveStaleInstance(inst, CleanupOwnerCheck());
   EXPECT_EQ(refused.status().code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_TRUE(AnySegment(inst));
 
@@ -224,7 +229,7 @@ TEST(InstanceLockTest, OneOwnerAndCleanupNeverTouchesALiveOne) {
   ASSERT_EQ(listed->size(), 1u);
   EXPECT_EQ((*listed)[0].live_pid, 0);
   const uint64_t bytes = (*listed)[0].bytes;
-  auto removed = RemoveStaleInstance(inst);
+  auto removed = RemoveStaleInstance(inst, CleanupOwnerCheck());
   ASSERT_TRUE(removed.ok()) << removed.status();
   EXPECT_EQ(removed->files.size(), 4u);
   EXPECT_EQ(removed->bytes, bytes);
@@ -285,6 +290,120 @@ TEST(RecoverInstanceTest, ForeignSegmentsAreNeitherAdoptedNorRemovedWhateverTheP
       }
     }
   }
+}
+
+// The lock file is opened without following a link: a link in its place (here to a file of ours
+// whose content must survive) is refused, as is a lock file of a wider mode or another user's,
+// even when nobody holds it.
+TEST(InstanceLockTest, LinkedWideOrForeignLockFileIsRefused) {
+  const std::string inst = UniqueInstance("locklink");
+  const std::string lock = InstanceLockPath(inst);
+  const std::string target = "/dev/shm/slidedp-test-target-" + inst;
+  ShmJanitor janitor{inst, {target}};
+  { std::ofstream(target) << "precious\n"; }
+  ASSERT_EQ(symlink(target.c_str(), lock.c_str()), 0);
+  auto linked = InstanceLock::Acquire(inst);
+  ASSERT_FALSE(linked.ok()) << "followed the link to " << ReadFile(target);
+  EXPECT_EQ(linked.status().code(), absl::StatusCode::kFailedPrecondition) << linked.status();
+  EXPECT_NE(linked.status().message().find("lock file " + lock + " is a symbolic link"),
+            std::string::npos)
+      << linked.status();
+  EXPECT_EQ(ReadFile(target), "precious\n");
+  ASSERT_EQ(unlink(lock.c_str()), 0);
+
+  { std::ofstream(lock) << "1\n"; }
+  ASSERT_EQ(chmod(lock.c_str(), 0666), 0);
+  auto wide = InstanceLock::Acquire(inst);
+  ASSERT_FALSE(wide.ok());
+  EXPECT_EQ(wide.status().code(), absl::StatusCode::kFailedPrecondition) << wide.status();
+  EXPECT_NE(wide.status().message().find("mode 0666"), std::string::npos) << wide.status();
+  if (geteuid() == 0) {
+    ASSERT_EQ(chmod(lock.c_str(), 0600), 0);
+    ASSERT_EQ(chown(lock.c_str(), 65534, 65534), 0);
+    auto foreign = InstanceLock::Acquire(inst);
+    ASSERT_FALSE(foreign.ok());
+    EXPECT_EQ(foreign.status().code(), absl::StatusCode::kFailedPrecondition) << foreign.status();
+    EXPECT_NE(foreign.status().message().find("owned by uid 65534 (nobody)"), std::string::npos)
+        << foreign.status();
+  }
+  ASSERT_EQ(unlink(lock.c_str()), 0);
+  // shm_mode 0660 with a group: the lock file gets both.
+  InstanceLock::Options options;
+  options.mode = 0660;
+  options.group = geteuid() == 0 ? 65534 : getegid();
+  auto ours = InstanceLock::Acquire(inst, options);
+  ASSERT_TRUE(ours.ok()) << ours.status();
+  struct stat st;
+  ASSERT_EQ(lstat(lock.c_str(), &st), 0);
+  EXPECT_EQ(st.st_mode & 07777, 0660u);
+  EXPECT_EQ(st.st_gid, options.group);
+}
+
+// An unknown shm_group is INVALID_ARGUMENT naming the key and the value; a name or a number of
+// an existing group resolves; empty is the process's own group (-1: no chown).
+TEST(InstanceLockTest, ResolveShmGroup) {
+  EXPECT_EQ(*ResolveShmGroup(""), static_cast<gid_t>(-1));
+  EXPECT_EQ(*ResolveShmGroup("root"), 0u);
+  EXPECT_EQ(*ResolveShmGroup("0"), 0u);
+  auto unknown = ResolveShmGroup("slidedp-no-such-group");
+  ASSERT_FALSE(unknown.ok());
+  EXPECT_EQ(unknown.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(
+      unknown.status().message().find("shm_group: group 'slidedp-no-such-group' does not exist"),
+      std::string::npos)
+      << unknown.status();
+}
+
+// `slidedpctl cleanup`'s removal: a link or anything but a regular file in a segment's place is
+// never removed (the instance is refused whole, the lock file goes), nor, for a non-root user,
+// another user's file; root removes its service user's stale state. A FIFO cannot block it.
+TEST(InstanceLockTest, CleanupRemovesOnlyWhatItMay) {
+  const std::string inst = UniqueInstance("cleanlink");
+  const std::string target = "/dev/shm/slidedp-test-target-" + inst;
+  ShmJanitor janitor{inst, {target}};
+  ASSERT_NO_FATAL_FAILURE(CrashedState(Opts(inst), 1, nullptr));
+  { std::ofstream(target) << "precious\n"; }
+  const std::string params = ShmPath(inst, shm::SegmentKind::kParams);
+  ASSERT_EQ(unlink(params.c_str()), 0);
+  ASSERT_EQ(symlink(target.c_str(), params.c_str()), 0);
+  auto linked = RemoveStaleInstance(inst, CleanupOwnerCheck());
+  ASSERT_FALSE(linked.ok());
+  EXPECT_EQ(linked.status().code(), absl::StatusCode::kFailedPrecondition) << linked.status();
+  EXPECT_NE(linked.status().message().find(params + " is a symbolic link"), std::string::npos)
+      << linked.status();
+  EXPECT_TRUE(AnySegment(inst));
+  struct stat st;
+  EXPECT_EQ(lstat(params.c_str(), &st), 0);
+  EXPECT_EQ(ReadFile(target), "precious\n");
+  EXPECT_NE(lstat(InstanceLockPath(inst).c_str(), &st), 0);  // taken and released
+  ASSERT_EQ(unlink(params.c_str()), 0);
+  ASSERT_EQ(mkfifo(params.c_str(), 0600), 0);
+  const std::string control = ShmPath(inst, shm::SegmentKind::kControl);
+  ASSERT_EQ(unlink(control.c_str()), 0);
+  ASSERT_EQ(mkfifo(control.c_str(), 0600), 0);  // read for a legacy hostd's pid: must not block
+  auto fifo = RemoveStaleInstance(inst, CleanupOwnerCheck());
+  ASSERT_FALSE(fifo.ok());
+  EXPECT_NE(fifo.status().message().find("is a FIFO"), std::string::npos) << fifo.status();
+  ASSERT_EQ(unlink(params.c_str()), 0);
+  ASSERT_EQ(unlink(control.c_str()), 0);
+
+  if (geteuid() == 0) {
+    const std::string state = ShmPath(inst, shm::SegmentKind::kState);
+    ASSERT_EQ(chown(state.c_str(), 65534, 65534), 0);
+    // A user other than the owner (the check a non-root cleanup makes) may not remove it ...
+    const OwnerCheck as_user{geteuid(), 07777, OwnerCheck::kAnyGid};
+    auto refused = RemoveStaleInstance(inst, as_user);
+    ASSERT_FALSE(refused.ok());
+    EXPECT_EQ(refused.status().code(), absl::StatusCode::kFailedPrecondition) << refused.status();
+    EXPECT_NE(refused.status().message().find("owned by uid 65534 (nobody)"), std::string::npos)
+        << refused.status();
+    EXPECT_TRUE(ShmSegment::Exists(SegmentName(inst, shm::SegmentKind::kState)));
+  }
+  // ... root may (and a user its own).
+  auto removed = RemoveStaleInstance(inst, CleanupOwnerCheck());
+  ASSERT_TRUE(removed.ok()) << removed.status();
+  EXPECT_EQ(removed->files.size(), 2u);
+  EXPECT_FALSE(AnySegment(inst));
 }
 
 }  // namespace
