@@ -3,6 +3,7 @@
 // untouched (checksum before and after); a session stream's end aborts a running step.
 #include "hostd/engine.h"
 
+#include <grp.h>
 #include <grpcpp/grpcpp.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -745,6 +746,67 @@ TEST_F(EngineTest, ForeignLeftoverSegmentsRefuseStartForEveryRecoveryPolicy) {
       EXPECT_EQ(st.st_mode & 0777, 0666u) << path;
     }
   }
+}
+
+// shm_mode 0660 with shm_group: the segments ranks map (control, params, grads), the lock file
+// and the control socket get the group and mode 0660; the state segment (master, m, v) stays
+// hostd's alone, 0600 in hostd's own group.
+TEST_F(EngineTest, ShmGroupReachesRankSegmentsLockAndSocketStateStays0600) {
+  ShmJanitor janitor{config_.instance};
+  // A group this process may give its files: as root any (here nobody's), else its own.
+  const gid_t group = geteuid() == 0 ? 65534 : getegid();
+  struct group gr;
+  struct group* found = nullptr;
+  char buf[4096];
+  if (getgrgid_r(group, &gr, buf, sizeof(buf), &found) != 0 || found == nullptr) {
+    GTEST_SKIP() << "gid " << group << " has no name on this machine";
+  }
+  ASSERT_NE(group, getegid()) << "needs root: a group other than the process's own";
+  config_.shm_mode = "0660";
+  config_.shm_group = found->gr_name;
+  auto e = Engine::Create(config_);
+  ASSERT_TRUE(e.ok()) << e.status();
+  engine_ = std::move(*e);
+  ControlServer::Options so;  // as hostd/main.cc fills it
+  so.socket_path = config_.socket;
+  so.socket_mode = 0660;
+  so.socket_group = group;
+  auto server = ControlServer::Start(engine_.get(), so);
+  ASSERT_TRUE(server.ok()) << server.status();
+  server_ = std::move(*server);
+  auto expect = [&](const std::string& path, mode_t mode, gid_t gid) {
+    struct stat st;
+    ASSERT_EQ(lstat(path.c_str(), &st), 0) << path;
+    EXPECT_EQ(st.st_uid, geteuid()) << path;
+    EXPECT_EQ(st.st_mode & 07777, mode) << path;
+    EXPECT_EQ(st.st_gid, gid) << path;
+  };
+  for (auto kind : kSegmentKinds) {
+    const std::string path = "/dev/shm/" + SegmentName(config_.instance, kind);
+    if (kind == shm::SegmentKind::kState) {
+      expect(path, 0600, getegid());
+    } else {
+      expect(path, 0660, group);
+    }
+  }
+  expect(InstanceLockPath(config_.instance), 0660, group);
+  expect(config_.socket, 0660, group);
+}
+
+// An unknown shm_group fails the start, before any file is made.
+TEST_F(EngineTest, UnknownShmGroupIsInvalidArgumentAtStart) {
+  ShmJanitor janitor{config_.instance};
+  config_.shm_mode = "0660";
+  config_.shm_group = "slidedp-no-such-group";
+  auto e = Engine::Create(config_);
+  ASSERT_FALSE(e.ok()) << "started with shm_group " << config_.shm_group;
+  EXPECT_EQ(e.status().code(), absl::StatusCode::kInvalidArgument) << e.status();
+  EXPECT_NE(e.status().message().find("shm_group: group 'slidedp-no-such-group'"),
+            std::string::npos)
+      << e.status();
+  struct stat st;
+  EXPECT_NE(lstat(InstanceLockPath(config_.instance).c_str(), &st), 0);
+  EXPECT_FALSE(ShmSegment::Exists(SegmentName(config_.instance, shm::SegmentKind::kControl)));
 }
 
 }  // namespace
