@@ -179,7 +179,7 @@ absl::StatusOr<std::unique_ptr<InstanceLock>> InstanceLock::Acquire(const std::s
 
 InstanceLock::~InstanceLock() {
   if (fd_ >= 0) {
-    // Only the file we hold: the name still refers to it unless root replaced it.
+    // Only the file we hold: the name refers to it unless its owner or root replaced it.
     const std::string path = InstanceLockPath(instance_);
     struct stat held, named;
     if (fstat(fd_, &held) == 0 && lstat(path.c_str(), &named) == 0 && held.st_ino == named.st_ino &&
