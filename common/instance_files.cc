@@ -2,6 +2,7 @@
 
 #include <dirent.h>
 #include <fcntl.h>
+#include <grp.h>
 #include <signal.h>
 #include <sys/file.h>
 #include <sys/stat.h>
@@ -58,7 +59,10 @@ pid_t ReadPid(int fd) {
 // The hostd_pid a control segment records, when that process is alive (a hostd that predates the
 // lock file); 0 otherwise.
 pid_t LegacyLivePid(const std::string& instance) {
-  auto seg = ShmSegment::Open(absl::StrCat(kPrefix, instance, ".control"), /*writable=*/false);
+  // Anyone's, but a regular file: a FIFO in its place must not block the open.
+  const OwnerCheck any_regular{OwnerCheck::kAnyUid, 07777, OwnerCheck::kAnyGid};
+  auto seg = ShmSegment::Open(absl::StrCat(kPrefix, instance, ".control"), /*writable=*/false,
+                              any_regular);
   if (!seg.ok() || seg->size_bytes() < shm::kRankSlotsOffset) return 0;
   const auto pid = static_cast<pid_t>(
       shm::Atomic(seg->at<shm::ControlBlock>(shm::kControlBlockOffset)->hostd_pid).load());
@@ -72,14 +76,62 @@ std::string InstanceLockPath(const std::string& instance) {
   return absl::StrCat(kShmDir, "/", kPrefix, instance, ".lock");
 }
 
-absl::StatusOr<std::unique_ptr<InstanceLock>> InstanceLock::Acquire(const std::string& instance) {
+absl::StatusOr<gid_t> ResolveShmGroup(const std::string& shm_group) {
+  if (shm_group.empty()) return static_cast<gid_t>(-1);
+  struct group gr;
+  struct group* found = nullptr;
+  std::vector<char> buf(16384);
+  int err = getgrnam_r(shm_group.c_str(), &gr, buf.data(), buf.size(), &found);
+  unsigned gid_number = 0;
+  if (err == 0 && found == nullptr && absl::SimpleAtoi(shm_group, &gid_number)) {
+    err = getgrgid_r(static_cast<gid_t>(gid_number), &gr, buf.data(), buf.size(), &found);
+  }
+  if (err != 0) return ErrnoError("shm_group: looking up group '" + shm_group + "'", err);
+  if (found == nullptr) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "shm_group: group '", shm_group,
+        "' does not exist; create it (groupadd) or set shm_group to an existing group (getent "
+        "group lists them), or leave it empty for hostd's own group"));
+  }
+  return found->gr_gid;
+}
+
+absl::StatusOr<std::unique_ptr<InstanceLock>> InstanceLock::Acquire(const std::string& instance,
+                                                                    const Options& options) {
   if (absl::Status s = CheckInstance(instance); !s.ok()) return s;
   const std::string path = InstanceLockPath(instance);
+  const OwnerCheck check =
+      options.check ? *options.check : OwnedBySelf(options.mode, options.group);
   // A previous owner unlinks the file before it unlocks, so the file we lock may be gone from
   // the directory by the time we hold it: then try again with the new one.
   for (int attempt = 0; attempt < 16; ++attempt) {
-    const int fd = open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0600);
-    if (fd < 0) return ErrnoError("open " + path, errno);
+    // An existing file is opened without O_CREAT: in a sticky directory O_CREAT may refuse
+    // another user's file (fs.protected_regular) before we could say whose it is.
+    int fd = open(path.c_str(), O_RDWR | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC);
+    if (fd < 0 && errno == ENOENT) {
+      fd = open(path.c_str(), O_RDWR | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
+      if (fd < 0 && errno == EEXIST) continue;  // made meanwhile: open that one
+    }
+    if (fd < 0) {
+      const int err = errno;
+      // A link (ELOOP) or another user's file (EACCES): say what is there.
+      struct stat st;
+      if (lstat(path.c_str(), &st) == 0) {
+        if (absl::Status s = CheckOwner(st, path, "lock file", check); !s.ok()) return s;
+      }
+      return ErrnoError("open " + path, err);
+    }
+    struct stat held;
+    if (fstat(fd, &held) != 0) {
+      const int err = errno;
+      close(fd);
+      return ErrnoError("fstat " + path, err);
+    }
+    // Whoever holds it: a foreign file is refused as such, never taken for a live hostd's.
+    if (absl::Status s = CheckOwner(held, path, "lock file", check); !s.ok()) {
+      close(fd);
+      return s;
+    }
     if (flock(fd, LOCK_EX | LOCK_NB) != 0) {
       const int err = errno;
       const pid_t holder = ReadPid(fd);
@@ -92,11 +144,25 @@ absl::StatusOr<std::unique_ptr<InstanceLock>> InstanceLock::Acquire(const std::s
       }
       return ErrnoError("flock " + path, err);
     }
-    struct stat held, named;
-    if (fstat(fd, &held) != 0 || stat(path.c_str(), &named) != 0 || held.st_ino != named.st_ino ||
+    struct stat named;
+    if (lstat(path.c_str(), &named) != 0 || held.st_ino != named.st_ino ||
         held.st_dev != named.st_dev) {
       close(fd);
       continue;
+    }
+    // The group first: a group-accessible mode must never apply to the creator's own group.
+    if (options.group != static_cast<gid_t>(-1) &&
+        fchown(fd, static_cast<uid_t>(-1), options.group) != 0) {
+      const int err = errno;
+      close(fd);
+      return ErrnoError(absl::StrCat("fchown ", path, " to ", DescribeGid(options.group),
+                                     " (shm_group: hostd must be root or a member of the group)"),
+                        err);
+    }
+    if (fchmod(fd, options.mode) != 0) {
+      const int err = errno;
+      close(fd);
+      return ErrnoError("fchmod " + path, err);
     }
     const std::string pid = absl::StrCat(getpid(), "\n");
     if (ftruncate(fd, 0) != 0 ||
@@ -105,21 +171,29 @@ absl::StatusOr<std::unique_ptr<InstanceLock>> InstanceLock::Acquire(const std::s
       close(fd);
       return ErrnoError("write " + path, err);
     }
-    return std::unique_ptr<InstanceLock>(new InstanceLock(instance, fd));
+    return std::unique_ptr<InstanceLock>(
+        new InstanceLock(instance, fd, options.mode, options.group));
   }
   return absl::UnavailableError(absl::StrCat("lock ", path, ": kept changing; try again"));
 }
 
 InstanceLock::~InstanceLock() {
   if (fd_ >= 0) {
-    unlink(InstanceLockPath(instance_).c_str());
+    // Only the file we hold: the name refers to it unless its owner or root replaced it.
+    const std::string path = InstanceLockPath(instance_);
+    struct stat held, named;
+    if (fstat(fd_, &held) == 0 && lstat(path.c_str(), &named) == 0 && held.st_ino == named.st_ino &&
+        held.st_dev == named.st_dev) {
+      unlink(path.c_str());
+    }
     close(fd_);
   }
 }
 
 pid_t InstanceLockHolder(const std::string& instance) {
   if (!ValidInstance(instance)) return 0;
-  const int fd = open(InstanceLockPath(instance).c_str(), O_RDONLY | O_CLOEXEC);
+  const int fd =
+      open(InstanceLockPath(instance).c_str(), O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC);
   if (fd < 0) return 0;
   pid_t holder = 0;
   if (flock(fd, LOCK_SH | LOCK_NB) != 0 && errno == EWOULDBLOCK) {
@@ -151,10 +225,11 @@ absl::StatusOr<std::vector<InstanceFiles>> ListInstanceFiles(const std::string& 
     }
     if (!instance.empty() && inst != instance) continue;
     struct stat st;
-    if (stat(absl::StrCat(dir, "/", name).c_str(), &st) != 0) continue;  // removed meanwhile
+    if (lstat(absl::StrCat(dir, "/", name).c_str(), &st) != 0) continue;  // removed meanwhile
     InstanceFiles& f = by_instance[std::string(inst)];
     f.instance = std::string(inst);
-    f.files.push_back({std::string(name), static_cast<uint64_t>(st.st_size)});
+    f.files.push_back(
+        {std::string(name), static_cast<uint64_t>(st.st_size), st.st_uid, st.st_gid, st.st_mode});
     f.bytes += static_cast<uint64_t>(st.st_size);
   }
   closedir(d);
@@ -171,10 +246,17 @@ absl::StatusOr<std::vector<InstanceFiles>> ListInstanceFiles(const std::string& 
   return out;
 }
 
-absl::StatusOr<InstanceFiles> RemoveStaleInstance(const std::string& instance) {
+OwnerCheck CleanupOwnerCheck() {
+  OwnerCheck c{OwnerCheck::kAnyUid, 07777, OwnerCheck::kAnyGid};
+  if (geteuid() != 0) c.uid = geteuid();
+  return c;
+}
+
+absl::StatusOr<InstanceFiles> RemoveStaleInstance(const std::string& instance,
+                                                  const OwnerCheck& check) {
   if (absl::Status s = CheckInstance(instance); !s.ok()) return s;
   struct stat st;
-  const bool had_lock_file = stat(InstanceLockPath(instance).c_str(), &st) == 0;
+  const bool had_lock_file = lstat(InstanceLockPath(instance).c_str(), &st) == 0;
   const uint64_t lock_file_bytes = had_lock_file ? static_cast<uint64_t>(st.st_size) : 0;
   if (!had_lock_file) {
     if (const pid_t pid = LegacyLivePid(instance); pid != 0) {
@@ -183,10 +265,20 @@ absl::StatusOr<InstanceFiles> RemoveStaleInstance(const std::string& instance) {
                        " (its control segment names that live process); not removed"));
     }
   }
-  auto lock = InstanceLock::Acquire(instance);
+  InstanceLock::Options lock_options;
+  lock_options.check = check;
+  auto lock = InstanceLock::Acquire(instance, lock_options);
   if (!lock.ok()) return lock.status();
   auto listed = ListInstanceFiles(instance);
   if (!listed.ok()) return listed.status();
+  // Every file first: one that is not ours leaves the instance as it is.
+  for (const InstanceFiles& f : *listed) {
+    for (const InstanceFile& file : f.files) {
+      if (absl::EndsWith(file.name, ".lock")) continue;  // checked by Acquire
+      auto ours = CheckPath(absl::StrCat(kShmDir, "/", file.name), "segment", check);
+      if (!ours.ok()) return ours.status();
+    }
+  }
   InstanceFiles removed;
   removed.instance = instance;
   for (const InstanceFiles& f : *listed) {
@@ -195,11 +287,13 @@ absl::StatusOr<InstanceFiles> RemoveStaleInstance(const std::string& instance) {
         // Ours now (it goes when the lock is released below); reported when a dead owner left
         // it, with the size it had then.
         if (!had_lock_file) continue;
-        removed.files.push_back({file.name, lock_file_bytes});
+        InstanceFile lock_file = file;
+        lock_file.bytes = lock_file_bytes;
+        removed.files.push_back(lock_file);
         removed.bytes += lock_file_bytes;
         continue;
       }
-      if (absl::Status s = ShmSegment::Remove(file.name); !s.ok()) return s;
+      if (absl::Status s = ShmSegment::Remove(file.name, check); !s.ok()) return s;
       removed.files.push_back(file);
       removed.bytes += file.bytes;
     }

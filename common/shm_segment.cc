@@ -1,8 +1,10 @@
 #include "common/shm_segment.h"
 
 #include <fcntl.h>
+#include <grp.h>
 #include <linux/capability.h>
 #include <numaif.h>
+#include <pwd.h>
 #include <sys/mman.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
@@ -13,6 +15,7 @@
 #include <boost/interprocess/mapped_region.hpp>
 #include <boost/interprocess/shared_memory_object.hpp>
 #include <cerrno>
+#include <cstdio>
 #include <cstring>
 #include <fstream>
 #include <limits>
@@ -35,6 +38,23 @@ namespace bip = boost::interprocess;
 namespace {
 
 constexpr uint64_t kUnlimited = std::numeric_limits<uint64_t>::max();
+
+std::string ShmPath(const std::string& name) { return "/dev/shm/" + name; }
+
+std::string Mode(mode_t mode) {
+  char buf[8];
+  std::snprintf(buf, sizeof(buf), "%04o", static_cast<unsigned>(mode & 07777));
+  return buf;
+}
+
+std::string FileType(mode_t mode) {
+  if (S_ISREG(mode)) return "a regular file";
+  if (S_ISLNK(mode)) return "a symbolic link";
+  if (S_ISDIR(mode)) return "a directory";
+  if (S_ISFIFO(mode)) return "a FIFO";
+  if (S_ISSOCK(mode)) return "a socket";
+  return "a device";
+}
 
 bool HasCapIpcLock() {
   __user_cap_header_struct header{_LINUX_CAPABILITY_VERSION_3, 0};
@@ -156,6 +176,81 @@ absl::Status Populate(char* base, size_t size, ThreadPool* pool) {
 
 }  // namespace
 
+std::string DescribeUid(uid_t uid) {
+  struct passwd pw;
+  struct passwd* found = nullptr;
+  char buf[4096];
+  if (getpwuid_r(uid, &pw, buf, sizeof(buf), &found) == 0 && found != nullptr) {
+    return absl::StrCat("uid ", uid, " (", found->pw_name, ")");
+  }
+  return absl::StrCat("uid ", uid);
+}
+
+std::string DescribeGid(gid_t gid) {
+  struct group gr;
+  struct group* found = nullptr;
+  char buf[4096];
+  if (getgrgid_r(gid, &gr, buf, sizeof(buf), &found) == 0 && found != nullptr) {
+    return absl::StrCat("gid ", gid, " (", found->gr_name, ")");
+  }
+  return absl::StrCat("gid ", gid);
+}
+
+OwnerCheck OwnedBySelf(mode_t max_mode, gid_t group) {
+  OwnerCheck c;
+  c.uid = geteuid();
+  c.max_mode = max_mode;
+  c.gid = group != static_cast<gid_t>(-1) ? group : getegid();
+  return c;
+}
+
+absl::Status CheckOwner(const struct stat& st, const std::string& path, absl::string_view what,
+                        const OwnerCheck& want) {
+  const bool regular = S_ISREG(st.st_mode);
+  const bool owner_ok = want.uid == OwnerCheck::kAnyUid || st.st_uid == want.uid;
+  const bool mode_ok = (st.st_mode & 07777 & ~want.max_mode) == 0;
+  const bool group_ok =
+      want.gid == OwnerCheck::kAnyGid || (st.st_mode & 0070) == 0 || st.st_gid == want.gid;
+  if (regular && owner_ok && mode_ok && group_ok) return absl::OkStatus();
+  std::string expected = "a regular file";
+  if (want.uid != OwnerCheck::kAnyUid) {
+    absl::StrAppend(&expected, " owned by ", DescribeUid(want.uid));
+  }
+  if (want.max_mode != 07777) {
+    absl::StrAppend(&expected, ", mode ", Mode(want.max_mode), " or narrower");
+  }
+  if (want.gid != OwnerCheck::kAnyGid && (want.max_mode & 0070) != 0) {
+    absl::StrAppend(&expected, ", group ", DescribeGid(want.gid), " when group-accessible");
+  }
+  // Ours but wider: whoever the mode or group lets in may have written it.
+  const std::string why =
+      regular && owner_ok
+          ? "whoever its mode or group lets in may have written it (were shm_mode or shm_group "
+            "changed since it was made?)"
+          : "another local user may have placed it there";
+  return absl::FailedPreconditionError(absl::StrCat(
+      what, " ", path, " is ", FileType(st.st_mode), " owned by ", DescribeUid(st.st_uid),
+      ", group ", DescribeGid(st.st_gid), ", mode ", Mode(st.st_mode), "; expected ", expected,
+      ". It is left untouched (not used, not removed, a link not followed): ", why,
+      "; check who created it, then remove it by hand (rm ", path, ")"));
+}
+
+absl::StatusOr<bool> CheckPath(const std::string& path, absl::string_view what,
+                               const OwnerCheck& check) {
+  // O_PATH: fstat needs no read permission, and with O_NOFOLLOW it opens a link itself.
+  const int fd = open(path.c_str(), O_PATH | O_NOFOLLOW | O_CLOEXEC);
+  if (fd < 0) {
+    if (errno == ENOENT) return false;
+    return ErrnoStatus("open " + path);
+  }
+  struct stat st;
+  absl::Status s =
+      fstat(fd, &st) == 0 ? CheckOwner(st, path, what, check) : ErrnoStatus("fstat " + path);
+  close(fd);
+  if (!s.ok()) return s;
+  return true;
+}
+
 absl::StatusOr<HostMemoryInfo> ReadHostMemoryInfo() {
   HostMemoryInfo info;
   struct statvfs vfs;
@@ -211,12 +306,14 @@ absl::StatusOr<ShmSegment> ShmSegment::Create(const CreateOptions& options) {
     bip::permissions perm(options.mode);
     bip::shared_memory_object obj(bip::create_only, options.name.c_str(), bip::read_write, perm);
     const int fd = obj.get_mapping_handle().handle;
-    // The umask may have cleared bits of the requested mode; set it exactly.
-    if (fchmod(fd, options.mode) != 0) return ErrnoStatus("fchmod " + options.name);
+    // The group first: a group-readable mode must never apply to the creator's own group.
     if (options.group != static_cast<gid_t>(-1) &&
         fchown(fd, static_cast<uid_t>(-1), options.group) != 0) {
-      return ErrnoStatus("fchown " + options.name);
+      return ErrnoStatus(absl::StrCat("fchown ", options.name, " to ", DescribeGid(options.group),
+                                      " (shm_group: hostd must be root or a member of the group)"));
     }
+    // The umask may have cleared bits of the requested mode; set it exactly.
+    if (fchmod(fd, options.mode) != 0) return ErrnoStatus("fchmod " + options.name);
     obj.truncate(static_cast<bip::offset_t>(options.size_bytes));
     void* addr = mmap(nullptr, options.size_bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
     if (addr == MAP_FAILED) return ErrnoStatus("mmap " + options.name);
@@ -296,6 +393,57 @@ absl::StatusOr<ShmSegment> ShmSegment::Open(const std::string& name, bool writab
   return seg;
 }
 
+absl::StatusOr<ShmSegment> ShmSegment::Open(const std::string& name, bool writable,
+                                            const OwnerCheck& check) {
+  RETURN_IF_ERROR(ValidateName(name));
+  const std::string path = ShmPath(name);
+  // O_NOFOLLOW: a link is refused, not followed; O_NONBLOCK: a FIFO in its place cannot block us.
+  const int fd =
+      open(path.c_str(), (writable ? O_RDWR : O_RDONLY) | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC);
+  if (fd < 0) {
+    const int err = errno;
+    if (err == ENOENT)
+      return absl::NotFoundError(absl::StrCat("open shared memory ", name, ": not found"));
+    // Say what is there when it is not ours (a link: ELOOP; another user's file: EACCES).
+    struct stat st;
+    if (lstat(path.c_str(), &st) == 0) RETURN_IF_ERROR(CheckOwner(st, path, "segment", check));
+    return ErrnoStatus("open shared memory " + name, err);
+  }
+  ShmSegment seg;
+  seg.name_ = name;
+  struct stat st;
+  absl::Status s =
+      fstat(fd, &st) == 0 ? CheckOwner(st, path, "segment", check) : ErrnoStatus("fstat " + name);
+  if (s.ok() && st.st_size <= 0) s = absl::FailedPreconditionError("segment " + name + " is empty");
+  if (s.ok()) {
+    seg.size_bytes_ = static_cast<size_t>(st.st_size);
+    void* shared = nullptr;
+    if constexpr (kOneMappingPerFile) shared = MappingRegistry::Get().Share(st, writable);
+    if (shared != nullptr) {
+      seg.data_ = shared;
+    } else {
+      void* addr = mmap(nullptr, seg.size_bytes_, writable ? PROT_READ | PROT_WRITE : PROT_READ,
+                        MAP_SHARED, fd, 0);
+      if (addr == MAP_FAILED) {
+        s = ErrnoStatus("mmap " + name);
+      } else {
+        seg.data_ = addr;
+        if constexpr (kOneMappingPerFile) {
+          MappingRegistry::Get().Add(st, addr, seg.size_bytes_, writable);
+        }
+      }
+    }
+  }
+  close(fd);
+  if (!s.ok()) return s;
+  return seg;
+}
+
+absl::Status ShmSegment::CheckExisting(const std::string& name, const OwnerCheck& check) {
+  RETURN_IF_ERROR(ValidateName(name));
+  return CheckPath(ShmPath(name), "segment", check).status();
+}
+
 absl::Status ShmSegment::Lock(MlockPolicy policy) {
   if (policy == MlockPolicy::kOff || locked_ || data_ == nullptr) return absl::OkStatus();
   if (mlock(data_, size_bytes_) == 0) {
@@ -317,9 +465,17 @@ absl::Status ShmSegment::Remove(const std::string& name) {
   return absl::OkStatus();
 }
 
+absl::Status ShmSegment::Remove(const std::string& name, const OwnerCheck& check) {
+  RETURN_IF_ERROR(ValidateName(name));
+  // Checked on the file the name refers to, which stays that file until the unlink (sticky
+  // /dev/shm). Absent: nothing is unlinked, so a file made meanwhile is not removed unchecked.
+  ASSIGN_OR_RETURN(const bool exists, CheckPath(ShmPath(name), "segment", check));
+  return exists ? Remove(name) : absl::OkStatus();
+}
+
 bool ShmSegment::Exists(const std::string& name) {
   struct stat st;
-  return stat(("/dev/shm/" + name).c_str(), &st) == 0;
+  return lstat(ShmPath(name).c_str(), &st) == 0;
 }
 
 ShmSegment::ShmSegment(ShmSegment&& other) noexcept { *this = std::move(other); }

@@ -17,10 +17,18 @@
 // keys its state by virtual address, so two mappings of one word would be two unrelated words to
 // it, and a release through one and an acquire through the other would order nothing.
 //
+// /dev/shm is writable by every local user, so a file there bearing an instance's name is not
+// hostd's merely because of its name. Before hostd adopts, rewrites or removes an existing file it
+// checks it (OwnerCheck, on the opened descriptor: no check-then-use race): a regular file (a
+// symbolic link is never followed), owned by hostd's effective uid, with no permission bit wider
+// than hostd would have given it. The name cannot be swapped between that check and the use:
+// /dev/shm is sticky, so only the file's owner or root may rename or remove a file in it.
+//
 // Thread safety: a ShmSegment is confined to its owner; the memory it maps is shared and its
 // users synchronize through the atomics of proto/shm_abi.h.
 #pragma once
 
+#include <sys/stat.h>
 #include <sys/types.h>
 
 #include <cstddef>
@@ -29,6 +37,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 
 namespace slidedp {
 class ThreadPool;
@@ -37,6 +46,31 @@ class ThreadPool;
 namespace slidedp {
 
 enum class MlockPolicy { kRequired, kBestEffort, kOff };
+
+// What an existing file must be before it is adopted, rewritten or removed (see above).
+struct OwnerCheck {
+  static constexpr uid_t kAnyUid = static_cast<uid_t>(-1);
+  static constexpr gid_t kAnyGid = static_cast<gid_t>(-1);
+  uid_t uid = kAnyUid;     // the owner it must have
+  mode_t max_mode = 0600;  // no permission bit outside these (07777: any mode)
+  gid_t gid = kAnyGid;     // the group it must have when its mode has group bits
+};
+// This process's own file: owner geteuid(), mode within `max_mode`, and with group bits the group
+// `group` (-1: getegid(), the group a file gets without fchown).
+OwnerCheck OwnedBySelf(mode_t max_mode, gid_t group = static_cast<gid_t>(-1));
+
+// OK when `st` (fstat of the opened `path`, or lstat when it could not be opened) meets `want`.
+// Otherwise FAILED_PRECONDITION naming `what` ("segment", "lock file"), the path, the file's
+// type, owner (uid and user name), group and mode, what was expected, and what to do.
+absl::Status CheckOwner(const struct stat& st, const std::string& path, absl::string_view what,
+                        const OwnerCheck& want);
+// Checks what `path` names without following a link: false when nothing is there, true when it
+// passes `check`, CheckOwner's refusal otherwise.
+absl::StatusOr<bool> CheckPath(const std::string& path, absl::string_view what,
+                               const OwnerCheck& check);
+// "uid 65534 (nobody)" / "gid 0 (root)"; without the name when the id has none.
+std::string DescribeUid(uid_t uid);
+std::string DescribeGid(gid_t gid);
 
 class ShmSegment {
  public:
@@ -55,11 +89,22 @@ class ShmSegment {
   static absl::StatusOr<ShmSegment> Create(const CreateOptions& options);
   // Maps an existing segment; NOT_FOUND when absent, PERMISSION_DENIED when not ours to open.
   static absl::StatusOr<ShmSegment> Open(const std::string& name, bool writable);
+  // The same for a segment hostd takes over (re-adoption): opened without following a symbolic
+  // link and mapped only when the opened file passes `check` (CheckOwner's FAILED_PRECONDITION
+  // otherwise, nothing mapped).
+  static absl::StatusOr<ShmSegment> Open(const std::string& name, bool writable,
+                                         const OwnerCheck& check);
+  // OK, or CheckOwner's refusal when `name` exists and fails `check`; a link is not followed.
+  static absl::Status CheckExisting(const std::string& name, const OwnerCheck& check);
   // Locks an opened mapping in RAM (a re-adopted segment): RESOURCE_EXHAUSTED when `policy` is
   // kRequired and mlock fails; kBestEffort leaves it unlocked then.
   absl::Status Lock(MlockPolicy policy);
   // Removes the name (mappings stay valid). OK if it did not exist.
   static absl::Status Remove(const std::string& name);
+  // Removes the name only when what it names passes `check` (CheckOwner's refusal otherwise,
+  // nothing removed). OK if it did not exist.
+  static absl::Status Remove(const std::string& name, const OwnerCheck& check);
+  // Whether the name exists (a symbolic link counts, even a dangling one).
   static bool Exists(const std::string& name);
 
   ShmSegment() = default;

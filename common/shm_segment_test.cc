@@ -4,9 +4,12 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <cstdio>
 #include <cstring>
 #include <optional>
+#include <string>
 #include <thread>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "common/thread_pool.h"
@@ -185,6 +188,98 @@ TEST(ShmSegmentTest, OpenInTheCreatingProcessSharesOneMappingUnderTsan) {
   }
   EXPECT_EQ(message, 42);
   t.join();
+}
+
+// A segment hostd takes over must be its own: Open (with a check) and Remove (with a check) refuse,
+// on the opened file, a wider mode, another group when group-accessible, another user's file
+// (root only: chown) and a link (never followed), naming the file, its owner and mode, what was
+// expected and what to do; nothing is mapped or removed then.
+TEST(ShmSegmentTest, CheckedOpenAndRemoveRefuseWhatIsNotOurs) {
+  const std::string name = "slidedp." + UniqueInstance("owned");
+  const std::string path = "/dev/shm/" + name;
+  const std::string target = path + ".target";
+  struct Janitor {
+    std::vector<std::string> paths;
+    ~Janitor() {
+      for (const std::string& p : paths) unlink(p.c_str());
+    }
+  } janitor{{path, target}};
+  ShmSegment::CreateOptions o;
+  o.name = name;
+  o.size_bytes = 4096;
+  o.mlock = MlockPolicy::kOff;
+  ASSERT_TRUE(ShmSegment::Create(o).ok());
+  auto refused = [&](const OwnerCheck& check, const std::vector<std::string>& parts) {
+    auto opened = ShmSegment::Open(name, /*writable=*/true, check);
+    ASSERT_FALSE(opened.ok());
+    EXPECT_EQ(opened.status().code(), absl::StatusCode::kFailedPrecondition) << opened.status();
+    const std::string msg(opened.status().message());
+    for (const std::string& part : parts) {
+      EXPECT_NE(msg.find(part), std::string::npos) << "no '" << part << "' in: " << msg;
+    }
+    absl::Status removed = ShmSegment::Remove(name, check);
+    EXPECT_EQ(removed.code(), absl::StatusCode::kFailedPrecondition) << removed;
+    EXPECT_EQ(removed.message(), opened.status().message());
+    EXPECT_TRUE(ShmSegment::Exists(name));
+  };
+  ASSERT_TRUE(ShmSegment::Open(name, true, OwnedBySelf(0600)).ok());
+  ASSERT_TRUE(ShmSegment::CheckExisting(name, OwnedBySelf(0600)).ok());
+
+  ASSERT_EQ(chmod(path.c_str(), 0666), 0);
+  refused(OwnedBySelf(0660),
+          {"segment " + path + " is a regular file owned by " + DescribeUid(geteuid()),
+           "mode 0666; expected a regular file owned by " + DescribeUid(geteuid()) +
+               ", mode 0660 or narrower",
+           "check who created it", "rm " + path + ")"});
+  ASSERT_EQ(chmod(path.c_str(), 0660), 0);
+  EXPECT_TRUE(ShmSegment::Open(name, true, OwnedBySelf(0660)).ok());
+  refused(OwnedBySelf(0600), {"mode 0660", "mode 0600 or narrower"});
+  if (geteuid() == 0) {
+    // Group-accessible in a group other than the configured one.
+    ASSERT_EQ(chown(path.c_str(), 0, 65534), 0);
+    refused(OwnedBySelf(0660, 0), {"group gid 65534", "group gid 0 (root) when group-accessible"});
+    EXPECT_TRUE(ShmSegment::Open(name, true, OwnedBySelf(0660, 65534)).ok());
+    ASSERT_EQ(chown(path.c_str(), 65534, 65534), 0);
+    refused(OwnedBySelf(0660, 65534), {"owned by uid 65534 (nobody)", "owned by uid 0 (root)"});
+    // What root's cleanup accepts: anyone's regular file.
+    EXPECT_TRUE(
+        ShmSegment::CheckExisting(name, {OwnerCheck::kAnyUid, 07777, OwnerCheck::kAnyGid}).ok());
+    ASSERT_EQ(chown(path.c_str(), 0, 0), 0);
+  }
+  ASSERT_EQ(chmod(path.c_str(), 0600), 0);
+  // A link to a file of ours: neither followed nor removed; the target keeps its bytes.
+  ASSERT_EQ(rename(path.c_str(), target.c_str()), 0);
+  ASSERT_EQ(symlink(target.c_str(), path.c_str()), 0);
+  refused(OwnedBySelf(0600), {"segment " + path + " is a symbolic link"});
+  struct stat st;
+  ASSERT_EQ(stat(target.c_str(), &st), 0);
+  EXPECT_EQ(st.st_size, 4096);
+  ASSERT_EQ(unlink(path.c_str()), 0);
+  ASSERT_EQ(rename(target.c_str(), path.c_str()), 0);
+
+  EXPECT_TRUE(ShmSegment::Remove(name, OwnedBySelf(0600)).ok());
+  EXPECT_FALSE(ShmSegment::Exists(name));
+  EXPECT_TRUE(ShmSegment::Remove(name, OwnedBySelf(0600)).ok());  // absent: OK
+  EXPECT_EQ(ShmSegment::Open(name, true, OwnedBySelf(0600)).status().code(),
+            absl::StatusCode::kNotFound);
+}
+
+// The group is set before the mode: 0660 never applies to the creator's own group.
+TEST(ShmSegmentTest, CreateGivesTheGroupAndExactMode) {
+  if (geteuid() != 0) GTEST_SKIP() << "needs root to give a file a group it is not in";
+  ShmSegment::CreateOptions o;
+  o.name = "slidedp." + UniqueInstance("grp");
+  o.size_bytes = 4096;
+  o.mode = 0660;
+  o.group = 65534;
+  o.mlock = MlockPolicy::kOff;
+  auto seg = ShmSegment::Create(o);
+  ASSERT_TRUE(seg.ok()) << seg.status();
+  seg->set_remove_on_destroy(true);
+  struct stat st;
+  ASSERT_EQ(stat(("/dev/shm/" + o.name).c_str(), &st), 0);
+  EXPECT_EQ(st.st_mode & 07777, 0660u);
+  EXPECT_EQ(st.st_gid, 65534u);
 }
 
 TEST(ShmSegmentTest, HostMemoryInfoIsPlausible) {

@@ -161,8 +161,12 @@ absl::Status Engine::Init(std::optional<Topology> topology) {
   ASSIGN_OR_RETURN(state_node_, ChooseStateNode(topology_, config_.numa_node));
   ASSIGN_OR_RETURN(worker_cpus_, WorkerCpus(topology_, state_node_, config_.update_threads));
   ASSIGN_OR_RETURN(isa_, ChooseIsa(config_.isa));
-  // Held for this engine's life: no other hostd adopts, removes or recreates our segments.
-  ASSIGN_OR_RETURN(instance_lock_, InstanceLock::Acquire(config_.instance));
+  // Held for this engine's life: no other hostd adopts, removes or recreates our segments. Its
+  // mode and group (shm_mode, shm_group) are those of the segments ranks map and the socket.
+  InstanceLock::Options lock_options;
+  lock_options.mode = config_.shm_mode == "0660" ? 0660 : 0600;
+  ASSIGN_OR_RETURN(lock_options.group, ResolveShmGroup(config_.shm_group));
+  ASSIGN_OR_RETURN(instance_lock_, InstanceLock::Acquire(config_.instance, lock_options));
   ThreadPool::Options po;
   po.num_threads = static_cast<int>(worker_cpus_.size());
   po.cpus = worker_cpus_;
@@ -642,7 +646,8 @@ absl::Status Engine::CreateJobLocked(slidedp::v1::JobSpec spec, LoadedModel mode
   so.model.manifest.set_manifest_hash(ManifestHashHex(ManifestHash(so.model.manifest)));
   so.world_size = spec.world_size();
   so.numa_node = topology_.nodes.size() > 1 || config_.numa_node >= 0 ? state_node_ : -1;
-  so.mode = config_.shm_mode == "0660" ? 0660 : 0600;
+  so.mode = instance_lock_->mode();
+  so.group = instance_lock_->group();
   so.mlock = config_.mlock == "off"           ? MlockPolicy::kOff
              : config_.mlock == "best_effort" ? MlockPolicy::kBestEffort
                                               : MlockPolicy::kRequired;

@@ -3,7 +3,10 @@
 // untouched (checksum before and after); a session stream's end aborts a running step.
 #include "hostd/engine.h"
 
+#include <grp.h>
 #include <grpcpp/grpcpp.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 #include <atomic>
 #include <barrier>
@@ -16,6 +19,7 @@
 #include <thread>
 
 #include "absl/strings/str_cat.h"
+#include "common/instance_files.h"
 #include "common/shm_segment.h"
 #include "common/version.h"
 #include "gtest/gtest.h"
@@ -970,6 +974,135 @@ TEST_F(EngineTest, SecondDaemonOnSameSocketOrInstanceIsRefused) {
   auto tcp = ControlServer::Start(engine_.get(), {"", "0.0.0.0:0", 0600});
   ASSERT_FALSE(tcp.ok());
   EXPECT_NE(tcp.status().message().find("loopback"), std::string::npos);
+}
+
+constexpr shm::SegmentKind kSegmentKinds[] = {shm::SegmentKind::kControl, shm::SegmentKind::kState,
+                                              shm::SegmentKind::kParams, shm::SegmentKind::kGrads};
+
+// A group this process may give its files other than its own when it can: as root any (nobody's,
+// 65534), else a supplementary group; else its own group (the gid checks are trivial then).
+gid_t OtherGroup() {
+  if (geteuid() == 0) return 65534;
+  gid_t groups[256];
+  const int n = getgroups(256, groups);
+  for (int i = 0; i < n; ++i) {
+    if (groups[i] != getegid()) return groups[i];
+  }
+  return getegid();
+}
+
+// Removes whatever a test left under the instance's names, whoever owns it (on any exit).
+struct ShmJanitor {
+  std::string inst;
+  ~ShmJanitor() {
+    for (auto kind : kSegmentKinds) unlink(("/dev/shm/" + SegmentName(inst, kind)).c_str());
+    unlink(InstanceLockPath(inst).c_str());
+  }
+};
+
+// Issue #17: segments another user planted under the instance's names (world-writable, which any
+// user can make; as root also owned by nobody) look like a crashed hostd's consistent state at
+// step 0. hostd refuses to start on them, whatever recovery_on_inconsistent says (checkpoint and
+// fresh would remove them, a consistent state would be adopted), and leaves them as they are.
+TEST_F(EngineTest, ForeignLeftoverSegmentsRefuseStartForEveryRecoveryPolicy) {
+  ShmJanitor janitor{config_.instance};
+  {
+    auto crashed = Engine::Create(config_);  // destroyed without removing its state
+    ASSERT_TRUE(crashed.ok()) << crashed.status();
+  }
+  for (auto kind : kSegmentKinds) {
+    const std::string path = "/dev/shm/" + SegmentName(config_.instance, kind);
+    ASSERT_EQ(chmod(path.c_str(), 0666), 0) << path;
+    if (geteuid() == 0) {
+      ASSERT_EQ(chown(path.c_str(), 65534, 65534), 0) << path;
+    }
+  }
+  const std::string control =
+      "/dev/shm/" + SegmentName(config_.instance, shm::SegmentKind::kControl);
+  for (const char* policy : {"checkpoint", "fresh", "refuse"}) {
+    config_.recovery_on_inconsistent = policy;
+    auto e = Engine::Create(config_);
+    if (e.ok()) {
+      ADD_FAILURE() << "recovery_on_inconsistent " << policy << ": hostd started on them";
+      continue;  // destroyed as a crash would be: the segments stay
+    }
+    EXPECT_EQ(e.status().code(), absl::StatusCode::kFailedPrecondition) << e.status();
+    const std::string msg(e.status().message());
+    for (const std::string& part : {"segment " + control, std::string("mode 0666"),
+                                    std::string("expected a regular file owned by ") +
+                                        (geteuid() == 0 ? "uid 0 (root)" : "uid"),
+                                    "rm " + control}) {
+      EXPECT_NE(msg.find(part), std::string::npos) << policy << ": no '" << part << "' in " << msg;
+    }
+    if (geteuid() == 0) {
+      EXPECT_NE(msg.find("owned by uid 65534 (nobody)"), std::string::npos) << msg;
+    }
+    for (auto kind : kSegmentKinds) {
+      struct stat st;
+      const std::string path = "/dev/shm/" + SegmentName(config_.instance, kind);
+      EXPECT_EQ(stat(path.c_str(), &st), 0) << policy << ": " << path << " was removed";
+      EXPECT_EQ(st.st_mode & 0777, 0666u) << path;
+    }
+  }
+}
+
+// shm_mode 0660 with shm_group: the segments ranks map (control, params, grads), the lock file
+// and the control socket get the group and mode 0660; the state segment (master, m, v) stays
+// hostd's alone, 0600 in hostd's own group.
+TEST_F(EngineTest, ShmGroupReachesRankSegmentsLockAndSocketStateStays0600) {
+  ShmJanitor janitor{config_.instance};
+  const gid_t group = OtherGroup();
+  struct group gr;
+  struct group* found = nullptr;
+  char buf[4096];
+  if (getgrgid_r(group, &gr, buf, sizeof(buf), &found) != 0 || found == nullptr) {
+    GTEST_SKIP() << "gid " << group << " has no name on this machine";
+  }
+  config_.shm_mode = "0660";
+  config_.shm_group = found->gr_name;
+  auto e = Engine::Create(config_);
+  ASSERT_TRUE(e.ok()) << e.status();
+  engine_ = std::move(*e);
+  ControlServer::Options so;  // as hostd/main.cc fills it
+  so.socket_path = config_.socket;
+  so.socket_mode = 0660;
+  so.socket_group = group;
+  auto server = ControlServer::Start(engine_.get(), so);
+  ASSERT_TRUE(server.ok()) << server.status();
+  server_ = std::move(*server);
+  auto expect = [&](const std::string& path, mode_t mode, gid_t gid) {
+    struct stat st;
+    ASSERT_EQ(lstat(path.c_str(), &st), 0) << path;
+    EXPECT_EQ(st.st_uid, geteuid()) << path;
+    EXPECT_EQ(st.st_mode & 07777, mode) << path;
+    EXPECT_EQ(st.st_gid, gid) << path;
+  };
+  for (auto kind : kSegmentKinds) {
+    const std::string path = "/dev/shm/" + SegmentName(config_.instance, kind);
+    if (kind == shm::SegmentKind::kState) {
+      expect(path, 0600, getegid());
+    } else {
+      expect(path, 0660, group);
+    }
+  }
+  expect(InstanceLockPath(config_.instance), 0660, group);
+  expect(config_.socket, 0660, group);
+}
+
+// An unknown shm_group fails the start, before any file is made.
+TEST_F(EngineTest, UnknownShmGroupIsInvalidArgumentAtStart) {
+  ShmJanitor janitor{config_.instance};
+  config_.shm_mode = "0660";
+  config_.shm_group = "slidedp-no-such-group";
+  auto e = Engine::Create(config_);
+  ASSERT_FALSE(e.ok()) << "started with shm_group " << config_.shm_group;
+  EXPECT_EQ(e.status().code(), absl::StatusCode::kInvalidArgument) << e.status();
+  EXPECT_NE(e.status().message().find("shm_group: group 'slidedp-no-such-group'"),
+            std::string::npos)
+      << e.status();
+  struct stat st;
+  EXPECT_NE(lstat(InstanceLockPath(config_.instance).c_str(), &st), 0);
+  EXPECT_FALSE(ShmSegment::Exists(SegmentName(config_.instance, shm::SegmentKind::kControl)));
 }
 
 }  // namespace

@@ -14,6 +14,7 @@
 #include <string>
 
 #include "absl/strings/str_cat.h"
+#include "common/instance_files.h"
 #include "hostd/config.h"
 #include "hostd/engine.h"
 #include "hostd/metrics.h"
@@ -95,6 +96,16 @@ int main(int argc, char** argv) {
   so.socket_path = config.socket;
   so.listen_tcp = config.listen_tcp;
   so.socket_mode = config.shm_mode == "0660" ? 0660 : 0600;
+  // Engine::Create resolved it already (an unknown group failed there).
+  auto socket_group = slidedp::ResolveShmGroup(config.shm_group);
+  if (!socket_group.ok()) {
+    spdlog::error("startup failed: {}", socket_group.status().ToString());
+    notifier.Status("startup failed: " + socket_group.status().ToString());
+    metrics.reset();
+    (*engine)->Shutdown(/*remove_state=*/true);
+    return 1;
+  }
+  so.socket_group = *socket_group;
   auto server = ControlServer::Start(engine->get(), so);
   if (!server.ok()) {
     spdlog::error("startup failed: {}", server.status().ToString());

@@ -127,7 +127,20 @@ absl::StatusOr<Recovered> RecoverInstance(
   }
   Recovered out;
   if (!found.exists) return out;
+  // Before any policy: a segment hostd does not own is neither adopted nor removed.
+  const std::string refused_context =
+      absl::StrCat("instance '", inst, "': recovery (recovery_on_inconsistent ", PolicyName(policy),
+                   ") refused to touch the shared-memory state it found");
+  if (absl::Status owned = TrainingState::CheckSegmentOwners(options); !owned.ok()) {
+    return Annotate(owned, refused_context);
+  }
   absl::StatusOr<std::unique_ptr<TrainingState>> opened = TrainingState::Open(options);
+  if (!opened.ok()) {
+    // Open checks each file it maps too: one replaced since the check above is refused as such.
+    if (absl::Status owned = TrainingState::CheckSegmentOwners(options); !owned.ok()) {
+      return Annotate(owned, refused_context);
+    }
+  }
   if (opened.ok()) {
     for (uint32_t l = 0; l < (*opened)->num_layers(); ++l) {
       found.committed.push_back((*opened)->committed_version(l));
@@ -158,7 +171,7 @@ absl::StatusOr<Recovered> RecoverInstance(
     case RecoveryPlan::Action::kStartFresh:
     case RecoveryPlan::Action::kRestoreCheckpoint:
       if (opened.ok()) opened->reset();  // unmap before removing
-      RETURN_IF_ERROR(TrainingState::RemoveSegments(inst));
+      RETURN_IF_ERROR(TrainingState::RemoveSegments(options));
       break;
   }
   spdlog::info("recovery of instance '{}' (recovery_on_inconsistent {}): {}{}{}", inst,

@@ -16,6 +16,10 @@
 //       fresh:      remove the segments and create the job anew (step 0)
 //       refuse:     fail startup with FAILED_PRECONDITION naming the layers and versions
 //
+// Whatever the policy, a segment hostd does not own (TrainingState::SegmentCheck: another user's,
+// a symbolic link, a wider mode than configured) is neither adopted nor removed: RecoverInstance
+// fails with FAILED_PRECONDITION naming the file, its owner and mode, and what was expected.
+//
 // A crash mid-step leaves some layers at t and others at t + 1, or a layer mid-update
 // (pending t + 1, committed t): both are inconsistent, since the gradient of the interrupted
 // step is gone and half a step cannot be finished.
@@ -85,7 +89,9 @@ struct Recovered {
 // kAdopt maps the state (TrainingState::Open) and resets its control plane for step + 1;
 // kStartFresh and kRestoreCheckpoint remove the old segments (the caller then creates the state,
 // and restores the checkpoint into it); kRefuse returns FAILED_PRECONDITION with the reason, the
-// policy and how to get out. The caller must hold the instance's lock.
+// policy and how to get out; a segment that fails TrainingState::SegmentCheck is
+// FAILED_PRECONDITION naming it, for every policy, with nothing mapped or removed. The caller
+// must hold the instance's lock.
 absl::StatusOr<Recovered> RecoverInstance(
     const TrainingState::Options& options, OnInconsistent policy,
     const std::function<std::optional<std::string>()>& find_checkpoint);

@@ -3,6 +3,11 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <fstream>
+#include <iterator>
+#include <string>
+#include <vector>
+
 #include "common/instance_files.h"
 #include "gtest/gtest.h"
 #include "hostd/test_util.h"
@@ -37,6 +42,43 @@ void CrashedState(const TrainingState::Options& o, uint64_t version, uint64_t* c
   shm::Atomic((*s)->rank_slot(1).attached).store(1);
   shm::Atomic((*s)->chunk_slot(0, 2).state).store(shm::kSlotFull);
   if (checksum != nullptr) *checksum = (*s)->Checksum();
+}
+
+constexpr shm::SegmentKind kKinds[] = {shm::SegmentKind::kControl, shm::SegmentKind::kState,
+                                       shm::SegmentKind::kParams, shm::SegmentKind::kGrads};
+
+constexpr const char* kPolicyNames[] = {"checkpoint", "fresh", "refuse"};  // OnInconsistent
+
+std::string ShmPath(const std::string& inst, shm::SegmentKind kind) {
+  return "/dev/shm/" + SegmentName(inst, kind);
+}
+
+// Removes whatever a test left under the instance's names, whoever owns it (on any exit).
+struct ShmJanitor {
+  std::string inst;
+  std::vector<std::string> more;
+  ~ShmJanitor() {
+    for (auto kind : kKinds) unlink(ShmPath(inst, kind).c_str());
+    unlink(InstanceLockPath(inst).c_str());
+    for (const std::string& path : more) unlink(path.c_str());
+  }
+};
+
+// A group this process may give its files other than its own when it can: as root any (nobody's,
+// 65534), else a supplementary group; else its own group (the gid checks are trivial then).
+gid_t OtherGroup() {
+  if (geteuid() == 0) return 65534;
+  gid_t groups[256];
+  const int n = getgroups(256, groups);
+  for (int i = 0; i < n; ++i) {
+    if (groups[i] != getegid()) return groups[i];
+  }
+  return getegid();
+}
+
+std::string ReadFile(const std::string& path) {
+  std::ifstream in(path);
+  return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
 }
 
 bool AnySegment(const std::string& inst) {
@@ -187,7 +229,7 @@ TEST(InstanceLockTest, OneOwnerAndCleanupNeverTouchesALiveOne) {
   ASSERT_EQ(listed->size(), 1u);
   EXPECT_EQ((*listed)[0].files.size(), 5u);  // four segments and the lock
   EXPECT_EQ((*listed)[0].live_pid, getpid());
-  auto refused = RemoveStaleInstance(inst);
+  auto refused = RemoveStaleInstance(inst, CleanupOwnerCheck());
   EXPECT_EQ(refused.status().code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_TRUE(AnySegment(inst));
 
@@ -199,13 +241,181 @@ TEST(InstanceLockTest, OneOwnerAndCleanupNeverTouchesALiveOne) {
   ASSERT_EQ(listed->size(), 1u);
   EXPECT_EQ((*listed)[0].live_pid, 0);
   const uint64_t bytes = (*listed)[0].bytes;
-  auto removed = RemoveStaleInstance(inst);
+  auto removed = RemoveStaleInstance(inst, CleanupOwnerCheck());
   ASSERT_TRUE(removed.ok()) << removed.status();
   EXPECT_EQ(removed->files.size(), 4u);
   EXPECT_EQ(removed->bytes, bytes);
   EXPECT_FALSE(AnySegment(inst));
   EXPECT_NE(stat(InstanceLockPath(inst).c_str(), &st), 0);
   EXPECT_EQ(InstanceLock::Acquire("bad/name").status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+// The report of issue #17: segments another user made (any user can: world-writable, and as root
+// this test also chowns them to nobody) carry headers anyone can predict, so they look like a
+// crashed hostd's consistent state. Whatever recovery_on_inconsistent says, hostd neither adopts
+// nor removes them: FAILED_PRECONDITION naming the file, its owner and mode, what was expected
+// and what to do; every segment stays as it was. Also for inconsistent state, where `fresh` and
+// `checkpoint` would remove it.
+TEST(RecoverInstanceTest, ForeignSegmentsAreNeitherAdoptedNorRemovedWhateverThePolicy) {
+  for (const bool consistent : {true, false}) {
+    const auto o = Opts(UniqueInstance("planted"));
+    ShmJanitor janitor{o.instance, {}};
+    uint64_t before = 0;
+    ASSERT_NO_FATAL_FAILURE(CrashedState(o, 6, &before));
+    if (!consistent) {
+      auto s = TrainingState::Open(o);
+      ASSERT_TRUE(s.ok()) << s.status();
+      (*s)->BeginLayerWrite(1, 7);
+    }
+    for (auto kind : kKinds) {
+      ASSERT_EQ(chmod(ShmPath(o.instance, kind).c_str(), 0666), 0);
+      if (geteuid() == 0) {
+        ASSERT_EQ(chown(ShmPath(o.instance, kind).c_str(), 65534, 65534), 0);
+      }
+    }
+    const std::string control = ShmPath(o.instance, shm::SegmentKind::kControl);
+    for (auto policy :
+         {OnInconsistent::kRefuse, OnInconsistent::kFresh, OnInconsistent::kCheckpoint}) {
+      auto r =
+          RecoverInstance(o, policy, [] { return std::optional<std::string>("/nonexistent"); });
+      if (r.ok()) {
+        ADD_FAILURE() << (consistent ? "consistent" : "inconsistent") << " state, policy "
+                      << kPolicyNames[static_cast<int>(policy)] << ": "
+                      << RecoveryActionName(r->plan.action);
+        continue;
+      }
+      EXPECT_EQ(r.status().code(), absl::StatusCode::kFailedPrecondition) << r.status();
+      const std::string msg(r.status().message());
+      for (const std::string& part :
+           {"instance '" + o.instance + "'", "segment " + control, std::string("mode 0666"),
+            std::string("mode 0600 or narrower"), std::string("check who created it"),
+            "rm " + control}) {
+        EXPECT_NE(msg.find(part), std::string::npos) << "no '" << part << "' in: " << msg;
+      }
+      if (geteuid() == 0) {
+        EXPECT_NE(msg.find("owned by uid 65534 (nobody)"), std::string::npos) << msg;
+      }
+      for (auto kind : kKinds) {
+        struct stat st;
+        EXPECT_EQ(stat(ShmPath(o.instance, kind).c_str(), &st), 0) << ShmPath(o.instance, kind);
+        EXPECT_EQ(st.st_mode & 0777, 0666u);  // not even re-permissioned
+      }
+    }
+  }
+}
+
+// The lock file is opened without following a link: a link in its place (here to a file of ours
+// whose content must survive) is refused, as is a lock file of a wider mode or another user's,
+// even when nobody holds it.
+TEST(InstanceLockTest, LinkedWideOrForeignLockFileIsRefused) {
+  const std::string inst = UniqueInstance("locklink");
+  const std::string lock = InstanceLockPath(inst);
+  const std::string target = "/dev/shm/slidedp-test-target-" + inst;
+  ShmJanitor janitor{inst, {target}};
+  { std::ofstream(target) << "precious\n"; }
+  ASSERT_EQ(symlink(target.c_str(), lock.c_str()), 0);
+  auto linked = InstanceLock::Acquire(inst);
+  ASSERT_FALSE(linked.ok()) << "followed the link to " << ReadFile(target);
+  EXPECT_EQ(linked.status().code(), absl::StatusCode::kFailedPrecondition) << linked.status();
+  EXPECT_NE(linked.status().message().find("lock file " + lock + " is a symbolic link"),
+            std::string::npos)
+      << linked.status();
+  EXPECT_EQ(ReadFile(target), "precious\n");
+  ASSERT_EQ(unlink(lock.c_str()), 0);
+
+  { std::ofstream(lock) << "1\n"; }
+  ASSERT_EQ(chmod(lock.c_str(), 0666), 0);
+  auto wide = InstanceLock::Acquire(inst);
+  ASSERT_FALSE(wide.ok());
+  EXPECT_EQ(wide.status().code(), absl::StatusCode::kFailedPrecondition) << wide.status();
+  EXPECT_NE(wide.status().message().find("mode 0666"), std::string::npos) << wide.status();
+  if (geteuid() == 0) {
+    ASSERT_EQ(chmod(lock.c_str(), 0600), 0);
+    ASSERT_EQ(chown(lock.c_str(), 65534, 65534), 0);
+    auto foreign = InstanceLock::Acquire(inst);
+    ASSERT_FALSE(foreign.ok());
+    EXPECT_EQ(foreign.status().code(), absl::StatusCode::kFailedPrecondition) << foreign.status();
+    EXPECT_NE(foreign.status().message().find("owned by uid 65534 (nobody)"), std::string::npos)
+        << foreign.status();
+  }
+  ASSERT_EQ(unlink(lock.c_str()), 0);
+  // shm_mode 0660 with a group: the lock file gets both.
+  InstanceLock::Options options;
+  options.mode = 0660;
+  options.group = OtherGroup();
+  auto ours = InstanceLock::Acquire(inst, options);
+  ASSERT_TRUE(ours.ok()) << ours.status();
+  struct stat st;
+  ASSERT_EQ(lstat(lock.c_str(), &st), 0);
+  EXPECT_EQ(st.st_mode & 07777, 0660u);
+  EXPECT_EQ(st.st_gid, options.group);
+}
+
+// An unknown shm_group is INVALID_ARGUMENT naming the key and the value; a name or a number of
+// an existing group resolves; empty is the process's own group (-1: no chown).
+TEST(InstanceLockTest, ResolveShmGroup) {
+  EXPECT_EQ(*ResolveShmGroup(""), static_cast<gid_t>(-1));
+  EXPECT_EQ(*ResolveShmGroup("root"), 0u);
+  EXPECT_EQ(*ResolveShmGroup("0"), 0u);
+  auto unknown = ResolveShmGroup("slidedp-no-such-group");
+  ASSERT_FALSE(unknown.ok());
+  EXPECT_EQ(unknown.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(
+      unknown.status().message().find("shm_group: group 'slidedp-no-such-group' does not exist"),
+      std::string::npos)
+      << unknown.status();
+}
+
+// `slidedpctl cleanup`'s removal: a link or anything but a regular file in a segment's place is
+// never removed (the instance is refused whole, the lock file goes), nor, for a non-root user,
+// another user's file; root removes its service user's stale state. A FIFO cannot block it.
+TEST(InstanceLockTest, CleanupRemovesOnlyWhatItMay) {
+  const std::string inst = UniqueInstance("cleanlink");
+  const std::string target = "/dev/shm/slidedp-test-target-" + inst;
+  ShmJanitor janitor{inst, {target}};
+  ASSERT_NO_FATAL_FAILURE(CrashedState(Opts(inst), 1, nullptr));
+  { std::ofstream(target) << "precious\n"; }
+  const std::string params = ShmPath(inst, shm::SegmentKind::kParams);
+  ASSERT_EQ(unlink(params.c_str()), 0);
+  ASSERT_EQ(symlink(target.c_str(), params.c_str()), 0);
+  auto linked = RemoveStaleInstance(inst, CleanupOwnerCheck());
+  ASSERT_FALSE(linked.ok());
+  EXPECT_EQ(linked.status().code(), absl::StatusCode::kFailedPrecondition) << linked.status();
+  EXPECT_NE(linked.status().message().find(params + " is a symbolic link"), std::string::npos)
+      << linked.status();
+  EXPECT_TRUE(AnySegment(inst));
+  struct stat st;
+  EXPECT_EQ(lstat(params.c_str(), &st), 0);
+  EXPECT_EQ(ReadFile(target), "precious\n");
+  EXPECT_NE(lstat(InstanceLockPath(inst).c_str(), &st), 0);  // taken and released
+  ASSERT_EQ(unlink(params.c_str()), 0);
+  ASSERT_EQ(mkfifo(params.c_str(), 0600), 0);
+  const std::string control = ShmPath(inst, shm::SegmentKind::kControl);
+  ASSERT_EQ(unlink(control.c_str()), 0);
+  ASSERT_EQ(mkfifo(control.c_str(), 0600), 0);  // read for a legacy hostd's pid: must not block
+  auto fifo = RemoveStaleInstance(inst, CleanupOwnerCheck());
+  ASSERT_FALSE(fifo.ok());
+  EXPECT_NE(fifo.status().message().find("is a FIFO"), std::string::npos) << fifo.status();
+  ASSERT_EQ(unlink(params.c_str()), 0);
+  ASSERT_EQ(unlink(control.c_str()), 0);
+
+  if (geteuid() == 0) {
+    const std::string state = ShmPath(inst, shm::SegmentKind::kState);
+    ASSERT_EQ(chown(state.c_str(), 65534, 65534), 0);
+    // A user other than the owner (the check a non-root cleanup makes) may not remove it ...
+    const OwnerCheck as_user{geteuid(), 07777, OwnerCheck::kAnyGid};
+    auto refused = RemoveStaleInstance(inst, as_user);
+    ASSERT_FALSE(refused.ok());
+    EXPECT_EQ(refused.status().code(), absl::StatusCode::kFailedPrecondition) << refused.status();
+    EXPECT_NE(refused.status().message().find("owned by uid 65534 (nobody)"), std::string::npos)
+        << refused.status();
+    EXPECT_TRUE(ShmSegment::Exists(SegmentName(inst, shm::SegmentKind::kState)));
+  }
+  // ... root may (and a user its own).
+  auto removed = RemoveStaleInstance(inst, CleanupOwnerCheck());
+  ASSERT_TRUE(removed.ok()) << removed.status();
+  EXPECT_EQ(removed->files.size(), 2u);
+  EXPECT_FALSE(AnySegment(inst));
 }
 
 }  // namespace

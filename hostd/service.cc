@@ -16,6 +16,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
+#include "common/shm_segment.h"
 #include "common/status_macros.h"
 #include "slidedp/v1/control.grpc.pb.h"
 #include "spdlog/spdlog.h"
@@ -266,6 +267,13 @@ absl::StatusOr<std::unique_ptr<ControlServer>> ControlServer::Start(Engine* engi
   }
   if (!options.listen_tcp.empty() && s->tcp_port_ == 0) {
     return absl::UnavailableError(absl::StrCat("listen_tcp: could not bind ", options.listen_tcp));
+  }
+  // The group first: a group-accessible mode must never apply to the creator's own group.
+  if (!s->socket_path_.empty() && options.socket_group != static_cast<gid_t>(-1) &&
+      lchown(s->socket_path_.c_str(), static_cast<uid_t>(-1), options.socket_group) != 0) {
+    return ErrnoStatus(absl::StrCat("chown ", s->socket_path_, " to ",
+                                    DescribeGid(options.socket_group),
+                                    " (shm_group: hostd must be root or a member of the group)"));
   }
   if (!s->socket_path_.empty() && chmod(s->socket_path_.c_str(), options.socket_mode) != 0) {
     return ErrnoStatus("chmod " + s->socket_path_);

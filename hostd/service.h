@@ -8,6 +8,8 @@
 // Thread safety: Start/Shutdown/Wait from the owning thread; handlers run on gRPC's threads.
 #pragma once
 
+#include <sys/types.h>
+
 #include <memory>
 #include <string>
 
@@ -26,9 +28,10 @@ grpc::Status ToGrpcStatus(const absl::Status& s);
 class ControlServer {
  public:
   struct Options {
-    std::string socket_path;  // unix socket; empty: none
-    std::string listen_tcp;   // loopback host:port; empty: none
-    mode_t socket_mode = 0600;
+    std::string socket_path;                      // unix socket; empty: none
+    std::string listen_tcp;                       // loopback host:port; empty: none
+    mode_t socket_mode = 0600;                    // shm_mode
+    gid_t socket_group = static_cast<gid_t>(-1);  // shm_group's gid; -1: hostd's group
   };
   static absl::StatusOr<std::unique_ptr<ControlServer>> Start(Engine* engine,
                                                               const Options& options);

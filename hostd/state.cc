@@ -67,10 +67,26 @@ void FutexWakeAll(uint32_t* word) {
   syscall(SYS_futex, word, FUTEX_WAKE, INT32_MAX, nullptr, nullptr, 0);
 }
 
-absl::Status TrainingState::RemoveSegments(const std::string& instance) {
+OwnerCheck TrainingState::SegmentCheck(const Options& options, shm::SegmentKind kind) {
+  if (kind == shm::SegmentKind::kState) return OwnedBySelf(0600);
+  return OwnedBySelf(options.mode, options.group);
+}
+
+absl::Status TrainingState::CheckSegmentOwners(const Options& options) {
   for (auto kind : {shm::SegmentKind::kControl, shm::SegmentKind::kState, shm::SegmentKind::kParams,
                     shm::SegmentKind::kGrads}) {
-    RETURN_IF_ERROR(ShmSegment::Remove(SegmentName(instance, kind)));
+    RETURN_IF_ERROR(ShmSegment::CheckExisting(SegmentName(options.instance, kind),
+                                              SegmentCheck(options, kind)));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status TrainingState::RemoveSegments(const Options& options) {
+  RETURN_IF_ERROR(CheckSegmentOwners(options));
+  for (auto kind : {shm::SegmentKind::kControl, shm::SegmentKind::kState, shm::SegmentKind::kParams,
+                    shm::SegmentKind::kGrads}) {
+    RETURN_IF_ERROR(
+        ShmSegment::Remove(SegmentName(options.instance, kind), SegmentCheck(options, kind)));
   }
   return absl::OkStatus();
 }
@@ -164,8 +180,9 @@ absl::Status TrainingState::Initialize(const Options& options, ThreadPool* pool)
     o.name = SegmentName(inst, kind);
     o.size_bytes = shm::AlignUp(bytes, shm::kPayloadAlign);
     o.numa_node = node;
-    o.mode = options.mode;
-    o.group = options.group;
+    // Ranks never map the state segment (master, m, v): hostd's alone, whatever shm_mode says.
+    o.mode = kind == shm::SegmentKind::kState ? 0600 : options.mode;
+    o.group = kind == shm::SegmentKind::kState ? static_cast<gid_t>(-1) : options.group;
     o.mlock = mlock;
     o.populate_pool = pool;
     return ShmSegment::Create(o);
@@ -301,7 +318,8 @@ absl::StatusOr<std::unique_ptr<TrainingState>> TrainingState::Open(const Options
   uint64_t nonce = 0;
   for (const Want& w : wants) {
     const std::string name = SegmentName(inst, w.kind);
-    ASSIGN_OR_RETURN(*w.seg, ShmSegment::Open(name, /*writable=*/true));
+    ASSIGN_OR_RETURN(*w.seg,
+                     ShmSegment::Open(name, /*writable=*/true, SegmentCheck(options, w.kind)));
     const uint64_t size = shm::AlignUp(w.bytes, shm::kPayloadAlign);
     auto mismatch = [&](absl::string_view field, auto found, auto want) {
       return absl::FailedPreconditionError(

@@ -15,6 +15,10 @@
 //
 // Ownership: TrainingState owns the mappings; it removes the segment names on destruction only
 // when set_remove_on_destroy(true) (a clean stop), so a crash leaves them for re-adoption.
+// Access: the segments ranks map (control, params, grads) get Options::mode and Options::group;
+// the state segment (master, m, v) is hostd's alone, mode 0600 whatever the options say. An
+// existing segment is adopted or removed only when it passes SegmentCheck (owner hostd's
+// effective uid, no wider mode or other group than that; see OwnerCheck in shm_segment.h).
 // Thread safety: layer data is written only by the update worker (one writer per layer at a
 // time); version words and counters are atomics (shm::Atomic). Accessors are const and safe.
 #pragma once
@@ -70,8 +74,8 @@ class TrainingState {
     LoadedModel model;
     uint32_t world_size = 1;
     int numa_node = -1;
-    mode_t mode = 0600;
-    gid_t group = static_cast<gid_t>(-1);
+    mode_t mode = 0600;                    // control, params, grads: shm_mode (0600 or 0660)
+    gid_t group = static_cast<gid_t>(-1);  // their group (shm_group) with 0660; -1: hostd's
     MlockPolicy mlock = MlockPolicy::kRequired;
     uint64_t seed = 0;
     bool zero_init = false;  // "init = zeros": every tensor 0 except norms (1)
@@ -97,16 +101,26 @@ class TrainingState {
   // version, kind, size, manifest hash, layer count, world size, and one creation nonce; the
   // control block must have the same chunk_bytes, grad_ring_slots, grad_dtype and grad_route.
   // NOT_FOUND when a segment is missing, FAILED_PRECONDITION naming the segment, the field, the
-  // value found and the value expected otherwise. The versions are left for the caller to judge
-  // (committed_version / pending_version); ResetControlForAdoption makes the control plane fresh.
+  // value found and the value expected otherwise; CheckOwner's FAILED_PRECONDITION before a
+  // segment is mapped when it fails SegmentCheck. The versions are
+  // left for the caller to judge (committed_version / pending_version); ResetControlForAdoption
+  // makes the control plane fresh.
   static absl::StatusOr<std::unique_ptr<TrainingState>> Open(const Options& options);
   // After Open: this process owns the state; rank slots and gradient ring slots are emptied, the
   // step state is idle, next_step = `next_step`, and waiters of the dead hostd are woken (the
   // abort epoch is bumped so a rank of the old hostd cannot mistake the new one's steps).
   void ResetControlForAdoption(uint64_t next_step) const;
   uint64_t pending_version(uint32_t layer) const;
-  // Removes every segment name of `instance` (stale state nobody will adopt).
-  static absl::Status RemoveSegments(const std::string& instance);
+  // What an existing segment of `kind` must be before it is adopted or removed: owned by this
+  // process's effective uid, mode within 0600 for the state segment and options.mode for the
+  // others (which, when group-accessible, must have options.group, or hostd's group).
+  static OwnerCheck SegmentCheck(const Options& options, shm::SegmentKind kind);
+  // OK when every segment of options.instance that exists passes SegmentCheck; CheckOwner's
+  // FAILED_PRECONDITION naming the first that does not.
+  static absl::Status CheckSegmentOwners(const Options& options);
+  // Removes every segment name of options.instance (stale state nobody will adopt), after
+  // CheckSegmentOwners: a foreign segment is FAILED_PRECONDITION and none is removed.
+  static absl::Status RemoveSegments(const Options& options);
 
   ~TrainingState();
   TrainingState(const TrainingState&) = delete;

@@ -1,9 +1,13 @@
 #include "hostd/state.h"
 
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include <cmath>
+#include <cstdio>
 #include <cstring>
+#include <string>
+#include <vector>
 
 #include "common/thread_pool.h"
 #include "gtest/gtest.h"
@@ -138,8 +142,133 @@ TEST(StateTest, ExistingInstanceIsAlreadyExistsAndRemoveSegmentsCleansUp) {
   EXPECT_TRUE(ShmSegment::Exists(SegmentName(inst, shm::SegmentKind::kState)));
   first->reset();  // crash-like: the names stay for re-adoption
   EXPECT_TRUE(ShmSegment::Exists(SegmentName(inst, shm::SegmentKind::kParams)));
-  ASSERT_TRUE(TrainingState::RemoveSegments(inst).ok());
+  ASSERT_TRUE(TrainingState::RemoveSegments(o).ok());
   EXPECT_FALSE(ShmSegment::Exists(SegmentName(inst, shm::SegmentKind::kControl)));
+}
+
+std::string ShmPath(const std::string& inst, shm::SegmentKind kind) {
+  return "/dev/shm/" + SegmentName(inst, kind);
+}
+
+constexpr shm::SegmentKind kKinds[] = {shm::SegmentKind::kControl, shm::SegmentKind::kState,
+                                       shm::SegmentKind::kParams, shm::SegmentKind::kGrads};
+
+// Removes whatever a test left under the instance's names, whoever owns it (on any exit).
+struct ShmJanitor {
+  std::string inst;
+  ~ShmJanitor() {
+    for (auto kind : kKinds) {
+      unlink(ShmPath(inst, kind).c_str());
+      unlink((ShmPath(inst, kind) + ".moved").c_str());
+    }
+  }
+};
+
+// A group this process may give its files other than its own when it can: as root any (nobody's,
+// 65534), else a supplementary group; else its own group (the gid checks are trivial then).
+gid_t OtherGroup() {
+  if (geteuid() == 0) return 65534;
+  gid_t groups[256];
+  const int n = getgroups(256, groups);
+  for (int i = 0; i < n; ++i) {
+    if (groups[i] != getegid()) return groups[i];
+  }
+  return getegid();
+}
+
+// shm_mode 0660 with a group reaches the segments ranks map; the state segment (master, m, v) is
+// hostd's alone: 0600, hostd's own group.
+TEST(StateTest, StateSegmentIs0600AndTheOthersGetModeAndGroup) {
+  const std::string inst = UniqueInstance("group");
+  ShmJanitor janitor{inst};
+  TrainingState::Options o;
+  o.instance = inst;
+  o.model = SmallModel();
+  o.mlock = MlockPolicy::kBestEffort;
+  o.mode = 0660;
+  o.group = OtherGroup();
+  auto s = TrainingState::Create(o, nullptr);
+  ASSERT_TRUE(s.ok()) << s.status();
+  (*s)->set_remove_on_destroy(true);
+  for (auto kind : kKinds) {
+    struct stat st;
+    ASSERT_EQ(stat(ShmPath(inst, kind).c_str(), &st), 0);
+    EXPECT_EQ(st.st_uid, geteuid()) << ShmPath(inst, kind);
+    if (kind == shm::SegmentKind::kState) {
+      EXPECT_EQ(st.st_mode & 0777, 0600u) << ShmPath(inst, kind);
+      EXPECT_EQ(st.st_gid, getegid()) << ShmPath(inst, kind);
+    } else {
+      EXPECT_EQ(st.st_mode & 0777, 0660u) << ShmPath(inst, kind);
+      EXPECT_EQ(st.st_gid, o.group) << ShmPath(inst, kind);
+    }
+  }
+}
+
+// A crashed hostd's segments are mapped again only when they are hostd's: a wider mode than
+// configured, another user's segment or a link in a segment's place is FAILED_PRECONDITION naming
+// the file, its owner and mode and what was expected, and RemoveSegments removes none of them.
+TEST(StateTest, OpenAndRemoveRefuseSegmentsHostdDoesNotOwn) {
+  const std::string inst = UniqueInstance("foreign");
+  ShmJanitor janitor{inst};
+  TrainingState::Options o;
+  o.instance = inst;
+  o.model = SmallModel();
+  o.mlock = MlockPolicy::kBestEffort;
+  ASSERT_TRUE(TrainingState::Create(o, nullptr).ok());  // a crash: the segments stay
+  ASSERT_TRUE(TrainingState::Open(o).ok());
+  auto all_exist = [&] {
+    for (auto kind : kKinds) {
+      if (!ShmSegment::Exists(SegmentName(inst, kind))) return false;
+    }
+    return true;
+  };
+  auto expect_refused = [&](const std::string& path, const std::vector<std::string>& parts) {
+    auto opened = TrainingState::Open(o);
+    ASSERT_FALSE(opened.ok()) << path;
+    EXPECT_EQ(opened.status().code(), absl::StatusCode::kFailedPrecondition) << opened.status();
+    const std::string msg(opened.status().message());
+    for (const std::string& part : parts) {
+      EXPECT_NE(msg.find(part), std::string::npos) << "no '" << part << "' in: " << msg;
+    }
+    absl::Status removed = TrainingState::RemoveSegments(o);
+    EXPECT_EQ(removed.code(), absl::StatusCode::kFailedPrecondition) << removed;
+    EXPECT_TRUE(all_exist());
+  };
+
+  // Any user can make this one: the world-writable mode of the report.
+  const std::string params = ShmPath(inst, shm::SegmentKind::kParams);
+  ASSERT_EQ(chmod(params.c_str(), 0666), 0);
+  expect_refused(params,
+                 {"segment " + params, "mode 0666", "mode 0600 or narrower", "rm " + params});
+  ASSERT_EQ(chmod(params.c_str(), 0600), 0);
+  // The state segment is 0600 even when the others may be 0660.
+  const std::string state = ShmPath(inst, shm::SegmentKind::kState);
+  ASSERT_EQ(chmod(state.c_str(), 0660), 0);
+  o.mode = 0660;
+  expect_refused(state, {"segment " + state, "mode 0660", "mode 0600 or narrower"});
+  o.mode = 0600;
+  ASSERT_EQ(chmod(state.c_str(), 0600), 0);
+  ASSERT_TRUE(TrainingState::Open(o).ok());
+
+  // A link in the control segment's place, to a file of ours that must stay as it is.
+  const std::string control = ShmPath(inst, shm::SegmentKind::kControl);
+  const std::string moved = control + ".moved";
+  ASSERT_EQ(rename(control.c_str(), moved.c_str()), 0);
+  ASSERT_EQ(symlink(moved.c_str(), control.c_str()), 0);
+  expect_refused(control, {"segment " + control, "is a symbolic link"});
+  ASSERT_EQ(unlink(control.c_str()), 0);
+  ASSERT_EQ(rename(moved.c_str(), control.c_str()), 0);
+
+  if (geteuid() == 0) {
+    // Another user's segment: named with its uid and user name.
+    ASSERT_EQ(chown(state.c_str(), 65534, 65534), 0);
+    expect_refused(state, {"segment " + state, "owned by uid 65534 (nobody)",
+                           "expected a regular file owned by uid 0 (root)"});
+    ASSERT_EQ(chown(state.c_str(), 0, 0), 0);
+  }
+  ASSERT_TRUE(TrainingState::Open(o).ok());
+  ASSERT_TRUE(TrainingState::RemoveSegments(o).ok());
+  for (auto kind : kKinds) EXPECT_FALSE(ShmSegment::Exists(SegmentName(inst, kind)));
 }
 
 TEST(StateTest, CleanStopRemovesSegments) {

@@ -161,7 +161,8 @@ TEST_F(CtlTest, StatusJsonWithoutJobHasNullJobAndEmptyLayers) {
 TEST_F(CtlTest, StatusHumanPrintsSummaryAndLayerTable) {
   const CtlResult r = Ctl(At({"status"}));
   ASSERT_EQ(r.code, kExitOk) << r.err;
-  EXPECT_THAT(r.out, HasSubstr("hostd 0.1.0 (git abc1234, protocol 1, shm abi 1)"));
+  EXPECT_THAT(r.out, HasSubstr(absl::StrCat("hostd 0.1.0 (git abc1234, protocol ", kProtocolVersion,
+                                            ", shm abi 1)")));
   EXPECT_THAT(r.out, HasSubstr("job-7: tiny-llama (llama), world size 2, step 42 (idle)"));
   EXPECT_THAT(r.out, HasSubstr("1h02m03s"));
   EXPECT_THAT(r.out, HasSubstr("2 of 2 attached, 1 connected"));

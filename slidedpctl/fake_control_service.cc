@@ -7,6 +7,7 @@
 #include <thread>
 
 #include "absl/strings/str_cat.h"
+#include "common/version.h"
 
 namespace slidedp::ctl::testing {
 namespace {
@@ -57,7 +58,7 @@ v1::GetStatusResponse CannedStatus() {
   daemon->set_component("hostd");
   daemon->set_version("0.1.0");
   daemon->set_git_revision("abc1234");
-  daemon->set_protocol_version(1);
+  daemon->set_protocol_version(kProtocolVersion);
   daemon->set_shm_abi_version(1);
   daemon->add_features("cpu_reduction");
   daemon->add_features("global_clip");
