@@ -15,7 +15,10 @@
 //     and, when the pool is full, writes a layer at version t straight from the live state;
 //   - when the pool has no room for a layer, or the writer is copying or writing that layer
 //     from the live state, the update waits: that wait is the checkpoint's stall
-//     (stats().stall_seconds); the update's own copy is counted as snapshot_seconds.
+//     (stats().stall_seconds); the update's own copy is counted as snapshot_seconds. The wait
+//     is bounded (Options::capture_timeout_ms): past it the checkpoint fails (a hung disk must
+//     not stall the optimizer for good), the update goes on, and no update waits for that
+//     checkpoint again; the writer, once its write returns, removes the .tmp directory.
 // With a pool as large as the state the writer captures every layer at memcpy speed and the
 // updates wait at most for one layer's copy; with a small pool they wait for the disk.
 // The files go through CheckpointDirWriter (checkpoint_format.h): temp directory, fsyncs,
@@ -127,6 +130,14 @@ class Checkpointer {
     uint64_t max_write_bytes_per_s = 0;
     // Snapshot buffers go to disk with O_DIRECT where the file system takes it.
     bool direct_io = true;
+    // How long an update waits in BeforeLayerWrite for the checkpoint to capture its layer
+    // (checkpoint.capture_timeout_s; 0: no limit). Then the checkpoint in flight fails
+    // (DEADLINE_EXCEEDED naming the layer, both steps and the wait; counted in
+    // checkpoints_failed, logged once) and the update goes on; the committed checkpoints stay.
+    int64_t capture_timeout_ms = 300000;
+    // Passed to each checkpoint's CheckpointDirWriter (tests: a trace that blocks stands in
+    // for a hung disk).
+    CheckpointDirWriter::Options writer;
   };
   // `state` and `pool` must outlive the checkpointer; `pool` is used only inside
   // BeforeLayerWrite (on the update worker's thread).
@@ -139,7 +150,8 @@ class Checkpointer {
   // (spec, model fields; step and files are filled here). Every layer must be at version <= step
   // and none may yet have started its update for step + 1 (the caller, the engine, holds the
   // step lifecycle and guarantees that). FAILED_PRECONDITION when another checkpoint is in
-  // flight (naming its step); ALREADY_EXISTS when step-<t> is committed in `dir` already.
+  // flight (naming its step; also one that failed while its writer is still in a write that
+  // has not returned); ALREADY_EXISTS when step-<t> is committed in `dir` already.
   // `awaiting_client`: layers the ranks update themselves whose version-t state is not in
   // hostd's copy yet; they are captured only after ClientLayerReady (the ranks' upload), and the
   // checkpoint fails (DEADLINE_EXCEEDED naming them) when that does not come within
@@ -210,6 +222,9 @@ class Checkpointer {
   uint64_t PoolSizeLocked() const;
   // Frees kept buffers until at most `bytes` are kept.
   void TrimKeptLocked(uint64_t bytes);
+  // The checkpoint in flight fails now with `status` (recorded for Wait, counted, logged); the
+  // writer stops at its next layer and removes the .tmp directory; updates pass the hook.
+  void FailInFlightLocked(absl::Status status);
 
   void Run();
   void RunCheckpoint(std::unique_lock<std::mutex>& lock);
@@ -229,6 +244,8 @@ class Checkpointer {
   std::string dir_;
   CheckpointInfo info_;
   std::string cancel_reason_;
+  // The checkpoint in flight has failed (FailInFlightLocked) while its writer still runs.
+  bool failed_ = false;
   std::vector<LayerState> layers_;
   std::map<uint32_t, Snapshot> snapshots_;
   std::multimap<uint64_t, Snapshot> kept_;  // by numel; buffers of earlier checkpoints

@@ -7,11 +7,15 @@
 #include <xxhash.h>
 
 #include <chrono>
+#include <condition_variable>
 #include <csignal>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <future>
+#include <mutex>
 #include <random>
+#include <sstream>
 #include <thread>
 
 #include "absl/strings/str_format.h"
@@ -20,6 +24,8 @@
 #include "hostd/optimizer.h"
 #include "hostd/test_util.h"
 #include "nlohmann/json.hpp"
+#include "spdlog/sinks/ostream_sink.h"
+#include "spdlog/spdlog.h"
 
 namespace slidedp::hostd {
 namespace {
@@ -593,6 +599,119 @@ TEST_F(CheckpointTest, FailedWriteKeepsThePreviousCheckpointAndTheState) {
     }
     state = NewState(1);  // versions back at 0 for the other write path
   }
+}
+
+// checkpoint.capture_timeout_s: an update waits for the checkpoint to capture its layer only so
+// long. The writer hangs in the write of layer 1 (the writer's trace blocks, as a hung disk
+// would; no pool, so layer 1 is written from the live state and its update must wait). The
+// update of layer 1 for the next step gives up after the timeout: the checkpoint fails at once
+// (Wait returns the error naming the layer, both steps and the wait; counted; logged once)
+// while its writer is still stuck, no later update waits for it, and the previous checkpoint
+// stays the newest. When the write returns, the writer removes its .tmp directory, nothing
+// commits, and the same step checkpoints afterwards.
+TEST_F(CheckpointTest, HungWriteFailsTheCheckpointAfterCaptureTimeoutAndTheUpdateGoesOn) {
+  auto state = NewState(1);
+  std::mutex mu;
+  std::condition_variable cv;
+  bool hang = false, hung = false, release = false;
+  Checkpointer::Options o;
+  o.keep_last = 0;
+  o.snapshot_pool_bytes = 0;
+  o.capture_timeout_ms = 50;
+  o.writer.trace = [&](std::string_view op, const std::string& path) {
+    if (op != "write" || fs::path(path).filename() != "layer-00001.bin") return;
+    std::unique_lock<std::mutex> l(mu);
+    if (!hang) return;
+    hung = true;
+    cv.notify_all();
+    cv.wait(l, [&] { return release; });
+  };
+  std::ostringstream log;
+  auto logger = std::make_shared<spdlog::logger>(
+      "ckpt-test", std::make_shared<spdlog::sinks::ostream_sink_mt>(log));
+  const auto previous_logger = spdlog::default_logger();
+  spdlog::set_default_logger(logger);
+  struct RestoreLogger {
+    std::shared_ptr<spdlog::logger> l;
+    ~RestoreLogger() { spdlog::set_default_logger(l); }
+  } restore{previous_logger};
+
+  Checkpointer cp(state.get(), pool_.get(), o);
+  ASSERT_TRUE(cp.Start(dir_.string(), 0, Describe(*state)).ok());
+  ASSERT_TRUE(cp.Wait(0, 60000).ok());
+  for (uint32_t l = 0; l < state->num_layers(); ++l) {  // version 1: the data as it is
+    state->BeginLayerWrite(l, 1);
+    state->PublishLayer(l, 1);
+  }
+  {
+    std::lock_guard<std::mutex> l(mu);
+    hang = true;
+  }
+  ASSERT_TRUE(cp.Start(dir_.string(), 1, Describe(*state)).ok());
+  {
+    std::unique_lock<std::mutex> l(mu);
+    ASSERT_TRUE(cv.wait_for(l, std::chrono::seconds(60), [&] { return hung; }));
+  }
+  // The update of layer 1 for step 2. On a bounded wait it returns while the write still hangs;
+  // the guard only keeps a wait without a deadline from hanging the test.
+  auto update = std::async(std::launch::async, [&] { cp.BeforeLayerWrite(1, 2); });
+  const bool returned = update.wait_for(std::chrono::seconds(60)) == std::future_status::ready;
+  EXPECT_TRUE(returned) << "the update still waits for the hung write after 60 s";
+  if (returned) {
+    auto failed = cp.Wait(1, 60000);
+    ASSERT_FALSE(failed.ok());
+    EXPECT_TRUE(absl::IsDeadlineExceeded(failed.status())) << failed.status();
+    const std::string msg(failed.status().message());
+    for (const char* want :
+         {"the update of layer 1 for step 2 waited 0.05 s (checkpoint.capture_timeout_s)",
+          "the checkpoint of step 1", "writing it to disk from the live state"}) {
+      EXPECT_NE(msg.find(want), std::string::npos) << want << " in: " << msg;
+    }
+    CheckpointStats st = cp.stats();
+    EXPECT_EQ(st.checkpoints_failed, 1u);
+    EXPECT_EQ(st.checkpoints_committed, 1u);
+    EXPECT_GT(st.stall_seconds, 0.0);
+    // The writer is still stuck: no new checkpoint, and no update waits for the failed one
+    // (layer 0 is still pending; waiting for it would count as stall).
+    const absl::Status busy = cp.Start(dir_.string(), 2, Describe(*state));
+    EXPECT_TRUE(absl::IsFailedPrecondition(busy)) << busy;
+    EXPECT_NE(busy.message().find("has not returned"), std::string::npos) << busy;
+    cp.BeforeLayerWrite(0, 2);
+    EXPECT_EQ(cp.stats().stall_seconds, st.stall_seconds);
+    auto latest = FindLatestCheckpoint(dir_.string());
+    ASSERT_TRUE(latest.ok()) << latest.status();
+    EXPECT_EQ(latest->step, 0u);
+  }
+  {
+    std::lock_guard<std::mutex> l(mu);
+    release = true;
+    hang = false;
+  }
+  cv.notify_all();
+  update.wait();
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+  while (cp.in_flight() && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  ASSERT_FALSE(cp.in_flight());
+  const CheckpointStats st = cp.stats();
+  EXPECT_EQ(st.checkpoints_failed, 1u);  // once, not again when the writer returned
+  EXPECT_EQ(st.checkpoints_committed, 1u);
+  EXPECT_FALSE(fs::exists(dir_ / (CheckpointDirName(1) + ".tmp")));
+  EXPECT_FALSE(fs::exists(dir_ / CheckpointDirName(1)));
+  auto latest = FindLatestCheckpoint(dir_.string());
+  ASSERT_TRUE(latest.ok()) << latest.status();
+  EXPECT_EQ(latest->step, 0u);
+  EXPECT_TRUE(VerifyCheckpointData(*latest).ok());
+  logger->flush();
+  const std::string text = log.str();
+  const std::string line = "checkpoint of step 1 failed";
+  EXPECT_NE(text.find(line), std::string::npos) << text;
+  EXPECT_EQ(text.find(line), text.rfind(line)) << "logged more than once:\n" << text;
+  // The same step commits once the disk is back.
+  ASSERT_TRUE(cp.Start(dir_.string(), 1, Describe(*state)).ok());
+  auto r = cp.Wait(1, 60000);
+  ASSERT_TRUE(r.ok()) << r.status();
 }
 
 TEST_F(CheckpointTest, KeepLastDeletesOlderOnlyAfterCommit) {

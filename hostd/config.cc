@@ -538,6 +538,14 @@ std::vector<KeyDescriptor> BuildKeys() {
       86400, [](const HostdConfig& c) { return c.checkpoint.client_upload_timeout_s; },
       [](HostdConfig& c, uint64_t v) { c.checkpoint.client_upload_timeout_s = v; }));
   k.push_back(UintKey(
+      "checkpoint.capture_timeout_s", ckpt,
+      "Seconds an optimizer update waits for the checkpoint in flight to capture its layer (the "
+      "snapshot pool full, or the layer being written from the live state) before that "
+      "checkpoint fails and the update goes on (a hung disk must not stall training); the "
+      "committed checkpoints stay. 0: no limit.",
+      86400, [](const HostdConfig& c) { return c.checkpoint.capture_timeout_s; },
+      [](HostdConfig& c, uint64_t v) { c.checkpoint.capture_timeout_s = v; }));
+  k.push_back(UintKey(
       "checkpoint.max_write_mb_per_s", ckpt,
       "Megabytes (10^6 B) per second a checkpoint taken while training runs writes at most; 0: "
       "no limit. The write competes with the optimizer update for host memory bandwidth: a "

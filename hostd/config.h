@@ -75,6 +75,7 @@ struct HostdConfig {
     bool keep_snapshot_pool = true;          // snapshot buffers stay for the next checkpoint
     bool prepare_snapshot_pool = true;       // allocate the pool after the first step (dir set)
     uint64_t client_upload_timeout_s = 300;  // wait for the ranks' client-updated layers
+    uint64_t capture_timeout_s = 300;        // an update's wait for the checkpoint; 0: no limit
     uint64_t snapshot_pool_bytes = 0;        // 0: auto (the state's size when MemAvailable allows)
     uint64_t max_write_mb_per_s = 0;         // pace of a checkpoint written while training runs
     bool direct_io = true;                   // snapshot buffers to disk with O_DIRECT

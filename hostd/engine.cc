@@ -760,6 +760,7 @@ absl::Status Engine::CreateJobLocked(slidedp::v1::JobSpec spec, LoadedModel mode
   co.keep_snapshot_pool = config_.checkpoint.keep_snapshot_pool;
   co.client_upload_timeout_ms =
       static_cast<int64_t>(config_.checkpoint.client_upload_timeout_s) * 1000;
+  co.capture_timeout_ms = static_cast<int64_t>(config_.checkpoint.capture_timeout_s) * 1000;
   co.max_write_bytes_per_s = config_.checkpoint.max_write_mb_per_s * 1000000;
   co.direct_io = config_.checkpoint.direct_io;
   if (co.snapshot_pool_bytes == 0) {
