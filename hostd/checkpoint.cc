@@ -57,20 +57,36 @@ absl::Status ReadExact(int fd, void* dst, size_t n, const std::string& path, XXH
   return absl::OkStatus();
 }
 
+// Says which newer step directories of `dir` were passed over for `found` and why (an
+// interrupted write is expected after a crash; a marked one that fails its checks is not).
+// `consider`: which listings are candidates at all.
+void LogSkipped(const std::string& dir, const CheckpointInfo& found,
+                const std::function<bool(const CheckpointListing&)>& consider) {
+  absl::StatusOr<std::vector<CheckpointListing>> all = ListCheckpoints(dir, false);
+  if (!all.ok()) return;
+  for (const CheckpointListing& l : *all) {  // newest first
+    if (l.path == found.path || l.step < found.step) break;
+    if (!l.valid && consider(l)) {
+      spdlog::warn("checkpoint {}: newer than {} but skipped: {}", l.path, found.path, l.reason);
+    }
+  }
+}
+
 }  // namespace
 
 absl::StatusOr<CheckpointInfo> FindLatestCheckpoint(const std::string& path) {
   absl::StatusOr<CheckpointInfo> info = FindLatestCheckpointInfo(path);
   if (!info.ok() || info->path == path) return info;
-  // Say which newer step directories were passed over and why (an interrupted write is
-  // expected after a crash; a marked one that fails its checks is not).
-  absl::StatusOr<std::vector<CheckpointListing>> all = ListCheckpoints(path, false);
-  if (all.ok()) {
-    for (const CheckpointListing& l : *all) {  // newest first
-      if (l.valid) break;
-      spdlog::warn("checkpoint {}: newer than {} but skipped: {}", l.path, info->path, l.reason);
-    }
-  }
+  LogSkipped(path, *info, [](const CheckpointListing&) { return true; });
+  return info;
+}
+
+absl::StatusOr<CheckpointInfo> FindLatestCheckpoint(const std::string& dir,
+                                                    const CheckpointScope& scope) {
+  absl::StatusOr<CheckpointInfo> info = FindLatestCheckpointInfo(dir, scope);
+  if (!info.ok()) return info;
+  const std::string mine = CheckpointScopeName(scope);
+  LogSkipped(dir, *info, [&mine](const CheckpointListing& l) { return l.scope_name == mine; });
   return info;
 }
 
@@ -217,15 +233,21 @@ absl::Status Checkpointer::Start(const std::string& dir, uint64_t step, Checkpoi
                      " is being written; wait for it (slidedpctl checkpoint "
                      "waits by default) and retry"));
   }
+  if (info.job_id.empty()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("checkpoint of step ", step, ": the job id is empty"));
+  }
+  const CheckpointScope scope{options_.instance, info.job_id};
+  const fs::path final_path = fs::path(dir) / CheckpointDirName(step, scope);
   std::error_code ec;
-  if (fs::exists(fs::path(dir) / CheckpointDirName(step) / kCheckpointMarker, ec)) {
+  if (fs::exists(final_path / kCheckpointMarker, ec)) {
     return absl::AlreadyExistsError(
-        absl::StrCat("checkpoint of step ", step,
-                     " already exists: ", (fs::path(dir) / CheckpointDirName(step)).string()));
+        absl::StrCat("checkpoint of step ", step, " already exists: ", final_path.string()));
   }
   active_ = true;
   step_ = step;
   dir_ = dir;
+  scope_ = scope;
   info_ = std::move(info);
   cancel_reason_.clear();
   layers_.assign(state_->num_layers(), LayerState::kPending);
@@ -598,13 +620,14 @@ void Checkpointer::Run() {
 void Checkpointer::RunCheckpoint(std::unique_lock<std::mutex>& lock) {
   const uint64_t step = step_;
   const std::string dir = dir_;
+  const CheckpointScope scope = scope_;
   const uint32_t num_layers = static_cast<uint32_t>(layers_.size());
   stats_.last_stall_max_layer_wait_us = 0;
   lock.unlock();
   absl::Status status;
   std::unique_ptr<CheckpointDirWriter> writer;
   {
-    auto begun = CheckpointDirWriter::Begin(dir, step, options_.writer);
+    auto begun = CheckpointDirWriter::Begin(dir, step, scope, options_.writer);
     if (begun.ok()) {
       writer = std::move(*begun);
     } else {
@@ -775,7 +798,7 @@ void Checkpointer::RunCheckpoint(std::unique_lock<std::mutex>& lock) {
       status.ok() ? writer->Commit(std::move(info)) : absl::StatusOr<CheckpointInfo>(status);
   std::vector<std::string> pruned;
   if (committed.ok() && options_.keep_last > 0) {
-    auto p = PruneCheckpoints(dir, options_.keep_last, step);
+    auto p = PruneCheckpoints(dir, options_.keep_last, step, scope);
     if (p.ok()) {
       pruned = std::move(*p);
     } else {

@@ -22,11 +22,13 @@
 // With a pool as large as the state the writer captures every layer at memcpy speed and the
 // updates wait at most for one layer's copy; with a small pool they wait for the disk.
 // The files go through CheckpointDirWriter (checkpoint_format.h): temp directory, fsyncs,
-// rename, directory fsync, commit marker last; keep_last older committed ones are pruned after
-// the new one is committed.
+// rename, directory fsync, commit marker last; keep_last older committed ones of the same
+// instance and job are pruned after the new one is committed (checkpoints are scoped:
+// checkpoint_format.h).
 //
 // Resume (the seam hostd's start-up and crash re-adoption use): FindLatestCheckpoint picks the
-// newest committed checkpoint of a directory, CheckCheckpointManifest compares it with a model,
+// newest committed checkpoint of a directory (any job's when the user named it; only the
+// instance's and job's own for recovery), CheckCheckpointManifest compares it with a model,
 // RestoreCheckpoint loads it into a freshly created TrainingState.
 //
 // Thread safety: every Checkpointer method may be called from any thread; BeforeLayerWrite is
@@ -55,10 +57,17 @@ class ThreadPool;
 
 namespace slidedp::hostd {
 
-// Finds the newest committed checkpoint under `path` (a checkpoint directory or one step
-// directory); marker, meta.json and file sizes are checked, the data is not (RestoreCheckpoint
-// checks it as it reads). NOT_FOUND / DATA_LOSS / INVALID_ARGUMENT naming the file.
+// A path the user named (--resume, CreateJob's resume_path): the newest committed checkpoint
+// under `path` (a step directory, or a checkpoint directory holding one job's checkpoints;
+// INVALID_ARGUMENT listing them when it holds several jobs'); marker, meta.json and file sizes
+// are checked, the data is not (RestoreCheckpoint checks it as it reads). NOT_FOUND /
+// DATA_LOSS / INVALID_ARGUMENT naming the file. Logs the newer step directories skipped.
 absl::StatusOr<CheckpointInfo> FindLatestCheckpoint(const std::string& path);
+// hostd's own pick (recovery after a crash): the newest committed checkpoint of `scope` in the
+// checkpoint directory `dir`, never another instance's or job's nor an unscoped (format 1-2)
+// one. NOT_FOUND when there is none.
+absl::StatusOr<CheckpointInfo> FindLatestCheckpoint(const std::string& dir,
+                                                    const CheckpointScope& scope);
 
 // FAILED_PRECONDITION when `manifest` is not the checkpoint's model: names both manifest hashes
 // and the first differing layer or tensor (name, shape).
@@ -108,7 +117,10 @@ struct CheckpointResult {
 class Checkpointer {
  public:
   struct Options {
-    uint32_t keep_last = 3;                     // 0: keep every checkpoint
+    // The hostd instance whose checkpoints these are (with each Start's info.job_id: the
+    // checkpoints' scope, checkpoint_format.h).
+    std::string instance = "default";
+    uint32_t keep_last = 3;  // of this instance's and job's checkpoints; 0: keep every one
     uint64_t snapshot_pool_bytes = 1ull << 30;  // room for copies of layers
     // When set, each checkpoint's room is what this returns at its Start (e.g. from the
     // MemAvailable of that moment) instead of snapshot_pool_bytes; its argument is the bytes of
@@ -151,7 +163,8 @@ class Checkpointer {
   // and none may yet have started its update for step + 1 (the caller, the engine, holds the
   // step lifecycle and guarantees that). FAILED_PRECONDITION when another checkpoint is in
   // flight (naming its step; also one that failed while its writer is still in a write that
-  // has not returned); ALREADY_EXISTS when step-<t> is committed in `dir` already.
+  // has not returned); ALREADY_EXISTS when the job's checkpoint of `step` is committed in `dir`
+  // already; INVALID_ARGUMENT when info.job_id is empty.
   // `awaiting_client`: layers the ranks update themselves whose version-t state is not in
   // hostd's copy yet; they are captured only after ClientLayerReady (the ranks' upload), and the
   // checkpoint fails (DEADLINE_EXCEEDED naming them) when that does not come within
@@ -242,6 +255,7 @@ class Checkpointer {
   bool preparing_ = false;  // the preparer thread runs
   uint64_t step_ = 0;
   std::string dir_;
+  CheckpointScope scope_;
   CheckpointInfo info_;
   std::string cancel_reason_;
   // The checkpoint in flight has failed (FailInFlightLocked) while its writer still runs.

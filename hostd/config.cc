@@ -515,8 +515,9 @@ std::vector<KeyDescriptor> BuildKeys() {
   const std::string ckpt = "Checkpoints ([checkpoint] table in the file)";
   k.push_back(StringFnKey(
       "checkpoint.dir", ckpt,
-      "Directory of the job's checkpoints (step-<t>/ subdirectories); empty: no checkpoints "
-      "unless a Checkpoint request names a directory.",
+      "Directory of the job's checkpoints (step-<t>.<instance>.<job>/ subdirectories; instances "
+      "and jobs may share it); empty: no checkpoints unless a Checkpoint request names a "
+      "directory.",
       [](const HostdConfig& c) { return c.checkpoint.dir; },
       [](HostdConfig& c, std::string_view v) { c.checkpoint.dir = std::string(v); }));
   k.push_back(UintKey(
@@ -592,9 +593,10 @@ std::vector<KeyDescriptor> BuildKeys() {
       [](HostdConfig& c, bool v) { c.checkpoint.prepare_snapshot_pool = v; }));
   k.push_back(StringFnKey(
       "checkpoint.resume", ckpt,
-      "Start the job from this checkpoint (a checkpoint directory: its newest committed step; "
-      "or a step directory): master, m, v, step and LR schedule position; with model none the "
-      "model comes from the checkpoint, else it must match. Also --resume.",
+      "Start the job from this checkpoint (a step directory, or a checkpoint directory holding "
+      "one job's checkpoints: its newest committed step): master, m, v, step and LR schedule "
+      "position; with model none the model comes from the checkpoint, else it must match. Also "
+      "--resume.",
       [](const HostdConfig& c) { return c.checkpoint.resume; },
       [](HostdConfig& c, std::string_view v) { c.checkpoint.resume = std::string(v); }));
 

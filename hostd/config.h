@@ -68,7 +68,7 @@ struct HostdConfig {
   bool metrics_allow_remote = false;
   // [checkpoint] table (keys checkpoint.<name>; env SLIDEDP_CHECKPOINT_<NAME>); hostd/checkpoint.h.
   struct Checkpoint {
-    std::string dir;                         // where step-<t>/ directories go; "" : checkpoints off
+    std::string dir;                         // where step directories go; "" : checkpoints off
     uint64_t every_steps = 0;                // 0: only on request (and on stop)
     uint32_t keep_last = 3;                  // 0: keep every checkpoint
     bool on_stop = true;                     // a clean stop writes a final checkpoint first
