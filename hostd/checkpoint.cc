@@ -57,20 +57,36 @@ absl::Status ReadExact(int fd, void* dst, size_t n, const std::string& path, XXH
   return absl::OkStatus();
 }
 
+// Says which newer step directories of `dir` were passed over for `found` and why (an
+// interrupted write is expected after a crash; a marked one that fails its checks is not).
+// `consider`: which listings are candidates at all.
+void LogSkipped(const std::string& dir, const CheckpointInfo& found,
+                const std::function<bool(const CheckpointListing&)>& consider) {
+  absl::StatusOr<std::vector<CheckpointListing>> all = ListCheckpoints(dir, false);
+  if (!all.ok()) return;
+  for (const CheckpointListing& l : *all) {  // newest first
+    if (l.path == found.path || l.step < found.step) break;
+    if (!l.valid && consider(l)) {
+      spdlog::warn("checkpoint {}: newer than {} but skipped: {}", l.path, found.path, l.reason);
+    }
+  }
+}
+
 }  // namespace
 
 absl::StatusOr<CheckpointInfo> FindLatestCheckpoint(const std::string& path) {
   absl::StatusOr<CheckpointInfo> info = FindLatestCheckpointInfo(path);
   if (!info.ok() || info->path == path) return info;
-  // Say which newer step directories were passed over and why (an interrupted write is
-  // expected after a crash; a marked one that fails its checks is not).
-  absl::StatusOr<std::vector<CheckpointListing>> all = ListCheckpoints(path, false);
-  if (all.ok()) {
-    for (const CheckpointListing& l : *all) {  // newest first
-      if (l.valid) break;
-      spdlog::warn("checkpoint {}: newer than {} but skipped: {}", l.path, info->path, l.reason);
-    }
-  }
+  LogSkipped(path, *info, [](const CheckpointListing&) { return true; });
+  return info;
+}
+
+absl::StatusOr<CheckpointInfo> FindLatestCheckpoint(const std::string& dir,
+                                                    const CheckpointScope& scope) {
+  absl::StatusOr<CheckpointInfo> info = FindLatestCheckpointInfo(dir, scope);
+  if (!info.ok()) return info;
+  const std::string mine = CheckpointScopeName(scope);
+  LogSkipped(dir, *info, [&mine](const CheckpointListing& l) { return l.scope_name == mine; });
   return info;
 }
 
@@ -205,21 +221,33 @@ absl::Status Checkpointer::Start(const std::string& dir, uint64_t step, Checkpoi
                                  const std::vector<uint32_t>& awaiting_client) {
   std::lock_guard<std::mutex> lock(mu_);
   if (stop_) return absl::UnavailableError("the checkpointer is stopping");
+  if (active_ && failed_) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "the checkpoint of step ", step_,
+        " failed but its writer is still in a write that has not returned (a hung disk?); retry "
+        "once it returns"));
+  }
   if (active_) {
     return absl::FailedPreconditionError(
         absl::StrCat("a checkpoint of step ", step_,
                      " is being written; wait for it (slidedpctl checkpoint "
                      "waits by default) and retry"));
   }
+  if (info.job_id.empty()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("checkpoint of step ", step, ": the job id is empty"));
+  }
+  const CheckpointScope scope{options_.instance, info.job_id};
+  const fs::path final_path = fs::path(dir) / CheckpointDirName(step, scope);
   std::error_code ec;
-  if (fs::exists(fs::path(dir) / CheckpointDirName(step) / kCheckpointMarker, ec)) {
+  if (fs::exists(final_path / kCheckpointMarker, ec)) {
     return absl::AlreadyExistsError(
-        absl::StrCat("checkpoint of step ", step,
-                     " already exists: ", (fs::path(dir) / CheckpointDirName(step)).string()));
+        absl::StrCat("checkpoint of step ", step, " already exists: ", final_path.string()));
   }
   active_ = true;
   step_ = step;
   dir_ = dir;
+  scope_ = scope;
   info_ = std::move(info);
   cancel_reason_.clear();
   layers_.assign(state_->num_layers(), LayerState::kPending);
@@ -481,9 +509,20 @@ void Checkpointer::RunPrepare() {
   }
 }
 
+void Checkpointer::FailInFlightLocked(absl::Status status) {
+  if (!active_ || failed_) return;
+  failed_ = true;
+  if (cancel_reason_.empty()) cancel_reason_ = std::string(status.message());
+  stats_.checkpoints_failed++;
+  spdlog::error("checkpoint of step {} failed: {}", step_, status.ToString());
+  results_[step_] = std::move(status);
+  unpaced_ = true;  // the write in progress ends sooner, if it ends
+  cv_.notify_all();
+}
+
 void Checkpointer::BeforeLayerWrite(uint32_t layer, uint64_t step) {
   std::unique_lock<std::mutex> lock(mu_);
-  if (!active_ || step <= step_ || layer >= layers_.size()) return;
+  if (!active_ || failed_ || step <= step_ || layer >= layers_.size()) return;
   next_step_begun_ = true;
   auto busy = [&] {
     const LayerState st = layers_[layer];
@@ -494,8 +533,9 @@ void Checkpointer::BeforeLayerWrite(uint32_t layer, uint64_t step) {
   const LayerInfo& info = state_->layers()[layer];
   const uint64_t bytes = 3 * info.numel * sizeof(float);
   const auto t0 = Clock::now();
+  const auto deadline = t0 + std::chrono::milliseconds(options_.capture_timeout_ms);
   bool waited = false;
-  while (active_ && step_ < step && busy()) {
+  while (active_ && !failed_ && step_ < step && busy()) {
     if (layers_[layer] == LayerState::kPending && pool_used_ + bytes <= pool_bytes_) {
       layers_[layer] = LayerState::kSnapshotted;
       pool_used_ += bytes;
@@ -537,7 +577,24 @@ void Checkpointer::BeforeLayerWrite(uint32_t layer, uint64_t step) {
     wanted_layer_ = layer;
     update_waiting_ = true;
     cv_.notify_all();
-    cv_.wait(lock);
+    if (options_.capture_timeout_ms <= 0) {
+      cv_.wait(lock);
+    } else if (cv_.wait_until(lock, deadline) == std::cv_status::timeout && active_ && !failed_ &&
+               step_ < step && busy()) {
+      const LayerState st = layers_[layer];
+      FailInFlightLocked(absl::DeadlineExceededError(absl::StrCat(
+          "the update of layer ", layer, " for step ", step, " waited ",
+          absl::StrFormat("%g", static_cast<double>(options_.capture_timeout_ms) / 1000.0),
+          " s (checkpoint.capture_timeout_s) for the checkpoint of step ", step_,
+          " to capture that layer, while ",
+          st == LayerState::kWritingLive ? "the writer was writing it to disk from the live state"
+          : st == LayerState::kCopying
+              ? "the writer was copying it into the snapshot pool"
+              : absl::StrCat("the snapshot pool was full (", pool_used_, " of ", pool_bytes_,
+                             " bytes) and the writer freed no room"),
+          " (a hung or very slow disk?); the checkpoint fails, the update goes on, and the "
+          "committed checkpoints stay")));
+    }
   }
   if (waited) {
     const double s = Seconds(t0, Clock::now());
@@ -563,13 +620,14 @@ void Checkpointer::Run() {
 void Checkpointer::RunCheckpoint(std::unique_lock<std::mutex>& lock) {
   const uint64_t step = step_;
   const std::string dir = dir_;
+  const CheckpointScope scope = scope_;
   const uint32_t num_layers = static_cast<uint32_t>(layers_.size());
   stats_.last_stall_max_layer_wait_us = 0;
   lock.unlock();
   absl::Status status;
   std::unique_ptr<CheckpointDirWriter> writer;
   {
-    auto begun = CheckpointDirWriter::Begin(dir, step);
+    auto begun = CheckpointDirWriter::Begin(dir, step, scope, options_.writer);
     if (begun.ok()) {
       writer = std::move(*begun);
     } else {
@@ -734,11 +792,13 @@ void Checkpointer::RunCheckpoint(std::unique_lock<std::mutex>& lock) {
   pool_used_ = 0;
   cv_.notify_all();
   lock.unlock();
+  // A checkpoint failed by an update's timeout (FailInFlightLocked) has its cancel reason set
+  // while a layer was still busy, so the loop above saw it: it never commits.
   absl::StatusOr<CheckpointInfo> committed =
       status.ok() ? writer->Commit(std::move(info)) : absl::StatusOr<CheckpointInfo>(status);
   std::vector<std::string> pruned;
   if (committed.ok() && options_.keep_last > 0) {
-    auto p = PruneCheckpoints(dir, options_.keep_last, step);
+    auto p = PruneCheckpoints(dir, options_.keep_last, step, scope);
     if (p.ok()) {
       pruned = std::move(*p);
     } else {
@@ -752,7 +812,10 @@ void Checkpointer::RunCheckpoint(std::unique_lock<std::mutex>& lock) {
   stats_.write_seconds += write_s;
   stats_.paced_seconds += paced_s;
   stats_.bytes_written_direct += direct_bytes;
-  if (committed.ok()) {
+  if (failed_) {
+    // Recorded, counted and logged when the update gave up waiting; the writer only came back.
+    spdlog::info("checkpoint of step {}: the writer returned; its .tmp directory is removed", step);
+  } else if (committed.ok()) {
     CheckpointResult r;
     r.step = step;
     r.path = committed->path;
@@ -775,6 +838,7 @@ void Checkpointer::RunCheckpoint(std::unique_lock<std::mutex>& lock) {
   // Old results are of no use beyond a few.
   while (results_.size() > 16) results_.erase(results_.begin());
   active_ = false;
+  failed_ = false;
   cancel_reason_.clear();
   cv_.notify_all();
 }

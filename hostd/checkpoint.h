@@ -15,15 +15,20 @@
 //     and, when the pool is full, writes a layer at version t straight from the live state;
 //   - when the pool has no room for a layer, or the writer is copying or writing that layer
 //     from the live state, the update waits: that wait is the checkpoint's stall
-//     (stats().stall_seconds); the update's own copy is counted as snapshot_seconds.
+//     (stats().stall_seconds); the update's own copy is counted as snapshot_seconds. The wait
+//     is bounded (Options::capture_timeout_ms): past it the checkpoint fails (a hung disk must
+//     not stall the optimizer for good), the update goes on, and no update waits for that
+//     checkpoint again; the writer, once its write returns, removes the .tmp directory.
 // With a pool as large as the state the writer captures every layer at memcpy speed and the
 // updates wait at most for one layer's copy; with a small pool they wait for the disk.
 // The files go through CheckpointDirWriter (checkpoint_format.h): temp directory, fsyncs,
-// rename, directory fsync, commit marker last; keep_last older committed ones are pruned after
-// the new one is committed.
+// rename, directory fsync, commit marker last; keep_last older committed ones of the same
+// instance and job are pruned after the new one is committed (checkpoints are scoped:
+// checkpoint_format.h).
 //
 // Resume (the seam hostd's start-up and crash re-adoption use): FindLatestCheckpoint picks the
-// newest committed checkpoint of a directory, CheckCheckpointManifest compares it with a model,
+// newest committed checkpoint of a directory (any job's when the user named it; only the
+// instance's and job's own for recovery), CheckCheckpointManifest compares it with a model,
 // RestoreCheckpoint loads it into a freshly created TrainingState.
 //
 // Thread safety: every Checkpointer method may be called from any thread; BeforeLayerWrite is
@@ -52,10 +57,17 @@ class ThreadPool;
 
 namespace slidedp::hostd {
 
-// Finds the newest committed checkpoint under `path` (a checkpoint directory or one step
-// directory); marker, meta.json and file sizes are checked, the data is not (RestoreCheckpoint
-// checks it as it reads). NOT_FOUND / DATA_LOSS / INVALID_ARGUMENT naming the file.
+// A path the user named (--resume, CreateJob's resume_path): the newest committed checkpoint
+// under `path` (a step directory, or a checkpoint directory holding one job's checkpoints;
+// INVALID_ARGUMENT listing them when it holds several jobs'); marker, meta.json and file sizes
+// are checked, the data is not (RestoreCheckpoint checks it as it reads). NOT_FOUND /
+// DATA_LOSS / INVALID_ARGUMENT naming the file. Logs the newer step directories skipped.
 absl::StatusOr<CheckpointInfo> FindLatestCheckpoint(const std::string& path);
+// hostd's own pick (recovery after a crash): the newest committed checkpoint of `scope` in the
+// checkpoint directory `dir`, never another instance's or job's nor an unscoped (format 1-2)
+// one. NOT_FOUND when there is none.
+absl::StatusOr<CheckpointInfo> FindLatestCheckpoint(const std::string& dir,
+                                                    const CheckpointScope& scope);
 
 // FAILED_PRECONDITION when `manifest` is not the checkpoint's model: names both manifest hashes
 // and the first differing layer or tensor (name, shape).
@@ -105,7 +117,10 @@ struct CheckpointResult {
 class Checkpointer {
  public:
   struct Options {
-    uint32_t keep_last = 3;                     // 0: keep every checkpoint
+    // The hostd instance whose checkpoints these are (with each Start's info.job_id: the
+    // checkpoints' scope, checkpoint_format.h).
+    std::string instance = "default";
+    uint32_t keep_last = 3;  // of this instance's and job's checkpoints; 0: keep every one
     uint64_t snapshot_pool_bytes = 1ull << 30;  // room for copies of layers
     // When set, each checkpoint's room is what this returns at its Start (e.g. from the
     // MemAvailable of that moment) instead of snapshot_pool_bytes; its argument is the bytes of
@@ -127,6 +142,14 @@ class Checkpointer {
     uint64_t max_write_bytes_per_s = 0;
     // Snapshot buffers go to disk with O_DIRECT where the file system takes it.
     bool direct_io = true;
+    // How long an update waits in BeforeLayerWrite for the checkpoint to capture its layer
+    // (checkpoint.capture_timeout_s; 0: no limit). Then the checkpoint in flight fails
+    // (DEADLINE_EXCEEDED naming the layer, both steps and the wait; counted in
+    // checkpoints_failed, logged once) and the update goes on; the committed checkpoints stay.
+    int64_t capture_timeout_ms = 300000;
+    // Passed to each checkpoint's CheckpointDirWriter (tests: a trace that blocks stands in
+    // for a hung disk).
+    CheckpointDirWriter::Options writer;
   };
   // `state` and `pool` must outlive the checkpointer; `pool` is used only inside
   // BeforeLayerWrite (on the update worker's thread).
@@ -139,7 +162,9 @@ class Checkpointer {
   // (spec, model fields; step and files are filled here). Every layer must be at version <= step
   // and none may yet have started its update for step + 1 (the caller, the engine, holds the
   // step lifecycle and guarantees that). FAILED_PRECONDITION when another checkpoint is in
-  // flight (naming its step); ALREADY_EXISTS when step-<t> is committed in `dir` already.
+  // flight (naming its step; also one that failed while its writer is still in a write that
+  // has not returned); ALREADY_EXISTS when the job's checkpoint of `step` is committed in `dir`
+  // already; INVALID_ARGUMENT when info.job_id is empty.
   // `awaiting_client`: layers the ranks update themselves whose version-t state is not in
   // hostd's copy yet; they are captured only after ClientLayerReady (the ranks' upload), and the
   // checkpoint fails (DEADLINE_EXCEEDED naming them) when that does not come within
@@ -210,6 +235,9 @@ class Checkpointer {
   uint64_t PoolSizeLocked() const;
   // Frees kept buffers until at most `bytes` are kept.
   void TrimKeptLocked(uint64_t bytes);
+  // The checkpoint in flight fails now with `status` (recorded for Wait, counted, logged); the
+  // writer stops at its next layer and removes the .tmp directory; updates pass the hook.
+  void FailInFlightLocked(absl::Status status);
 
   void Run();
   void RunCheckpoint(std::unique_lock<std::mutex>& lock);
@@ -227,8 +255,11 @@ class Checkpointer {
   bool preparing_ = false;  // the preparer thread runs
   uint64_t step_ = 0;
   std::string dir_;
+  CheckpointScope scope_;
   CheckpointInfo info_;
   std::string cancel_reason_;
+  // The checkpoint in flight has failed (FailInFlightLocked) while its writer still runs.
+  bool failed_ = false;
   std::vector<LayerState> layers_;
   std::map<uint32_t, Snapshot> snapshots_;
   std::multimap<uint64_t, Snapshot> kept_;  // by numel; buffers of earlier checkpoints

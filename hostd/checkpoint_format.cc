@@ -107,15 +107,56 @@ bool ParseHex(std::string_view s, uint64_t* out) {
   return ec == std::errc() && p == s.data() + s.size();
 }
 
-// "step-<digits>" or "step-<digits>.tmp": the step; false for other names.
-bool ParseStepDirName(std::string_view name, uint64_t* step, bool* tmp) {
+bool SafeNameToken(std::string_view s) {
+  if (s.empty() || s.size() > 64) return false;
+  return std::all_of(s.begin(), s.end(), [](char c) {
+    return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '_' ||
+           c == '-';
+  });
+}
+
+// An instance or job id as it appears in a directory name: itself when that is safe in a path
+// component (and free of the name's '.' separators), else "~" and its XXH3-64.
+std::string NameToken(std::string_view s) {
+  return SafeNameToken(s) ? std::string(s) : "~" + Hex(Xxh3(s));
+}
+
+bool ValidNameToken(std::string_view s) {
+  uint64_t h = 0;
+  return SafeNameToken(s) || (s.size() == 17 && s[0] == '~' && ParseHex(s.substr(1), &h));
+}
+
+std::string ScopeText(const std::string& instance, const std::string& job_id) {
+  if (instance.empty()) {
+    return absl::StrCat("job '", job_id, "' (format 1-2: no instance)");
+  }
+  return absl::StrCat("instance '", instance, "' job '", job_id, "'");
+}
+
+// "step-<digits>[.<instance>.<job>][.tmp]": the step, whether it is a .tmp directory and the
+// "<instance>.<job>" part (empty for the unscoped names of formats 1 and 2); false for other
+// names.
+bool ParseStepDirName(std::string_view name, uint64_t* step, bool* tmp, std::string* scope) {
   if (!name.starts_with(kStepPrefix)) return false;
   name.remove_prefix(kStepPrefix.size());
-  *tmp = name.ends_with(kTmpSuffix);
-  if (*tmp) name.remove_suffix(kTmpSuffix.size());
-  if (name.empty() || name.size() > 20) return false;
-  auto [p, ec] = std::from_chars(name.data(), name.data() + name.size(), *step);
-  return ec == std::errc() && p == name.data() + name.size();
+  const size_t dot = name.find('.');
+  const std::string_view digits = name.substr(0, dot);
+  if (digits.empty() || digits.size() > 20) return false;
+  auto [p, ec] = std::from_chars(digits.data(), digits.data() + digits.size(), *step);
+  if (ec != std::errc() || p != digits.data() + digits.size()) return false;
+  std::vector<std::string_view> parts;
+  for (size_t b = dot; b != std::string_view::npos;) {
+    const size_t e = name.find('.', b + 1);
+    parts.push_back(name.substr(b + 1, e == std::string_view::npos ? e : e - b - 1));
+    b = e;
+  }
+  *tmp = parts.size() % 2 == 1 && parts.back() == kTmpSuffix.substr(1);
+  if (*tmp) parts.pop_back();
+  scope->clear();
+  if (parts.empty()) return true;
+  if (parts.size() != 2 || !ValidNameToken(parts[0]) || !ValidNameToken(parts[1])) return false;
+  *scope = std::string(parts[0]) + "." + std::string(parts[1]);
+  return true;
 }
 
 std::string MarkerText(uint64_t step, uint64_t meta_hash) {
@@ -135,16 +176,29 @@ std::string LayerFileName(uint32_t layer) { return absl::StrFormat("layer-%05u.b
 
 std::string CheckpointDirName(uint64_t step) { return absl::StrFormat("step-%012u", step); }
 
+std::string CheckpointScopeName(const CheckpointScope& scope) {
+  return absl::StrCat(NameToken(scope.instance), ".", NameToken(scope.job_id));
+}
+
+std::string CheckpointDirName(uint64_t step, const CheckpointScope& scope) {
+  return absl::StrCat(CheckpointDirName(step), ".", CheckpointScopeName(scope));
+}
+
 // ---------------------------------------------------------------------------------------------
 // Writer
 
 absl::StatusOr<std::unique_ptr<CheckpointDirWriter>> CheckpointDirWriter::Begin(
-    const std::string& dir, uint64_t step, Options options) {
+    const std::string& dir, uint64_t step, const CheckpointScope& scope, Options options) {
+  if (scope.instance.empty() || scope.job_id.empty()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("checkpoint of step ", step, ": the instance and the job id must be set"));
+  }
   std::unique_ptr<CheckpointDirWriter> w(new CheckpointDirWriter());
   w->options_ = std::move(options);
   w->dir_ = dir;
   w->step_ = step;
-  w->final_ = (fs::path(dir) / CheckpointDirName(step)).string();
+  w->scope_ = scope;
+  w->final_ = (fs::path(dir) / CheckpointDirName(step, scope)).string();
   w->tmp_ = w->final_ + std::string(kTmpSuffix);
   std::error_code ec;
   if (!fs::is_directory(dir, ec)) {
@@ -301,6 +355,8 @@ absl::StatusOr<CheckpointInfo> CheckpointDirWriter::Commit(CheckpointInfo info) 
   }
   info.step = step_;
   info.format = kCheckpointFormatVersion;
+  info.instance = scope_.instance;
+  info.job_id = scope_.job_id;
   info.files = files_;
   if (info.created_unix_ms == 0) info.created_unix_ms = NowUnixMs();
 
@@ -314,6 +370,7 @@ absl::StatusOr<CheckpointInfo> CheckpointDirWriter::Commit(CheckpointInfo info) 
   meta["magic"] = kCheckpointMagic;
   meta["format_version"] = kCheckpointFormatVersion;
   meta["step"] = info.step;
+  meta["instance"] = info.instance;
   meta["job_id"] = info.job_id;
   meta["manifest_hash"] = info.manifest_hash;
   meta["spec"] = nlohmann::json::parse(spec_json);
@@ -424,6 +481,13 @@ absl::StatusOr<CheckpointInfo> ReadCheckpointInfo(const std::string& step_dir) {
                                                      " says format ", format));
     }
     info.step = meta.at("step").get<uint64_t>();
+    if (info.format >= kFirstScopedCheckpointFormat) {
+      info.instance = meta.at("instance").get<std::string>();
+      if (info.instance.empty()) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("checkpoint ", step_dir, ": meta.json instance is empty"));
+      }
+    }
     info.job_id = meta.at("job_id").get<std::string>();
     info.manifest_hash = meta.at("manifest_hash").get<std::string>();
     const auto parsed =
@@ -464,11 +528,21 @@ absl::StatusOr<CheckpointInfo> ReadCheckpointInfo(const std::string& step_dir) {
   }
   uint64_t dir_step = 0;
   bool tmp = false;
-  if (ParseStepDirName(fs::path(step_dir).lexically_normal().filename().string(), &dir_step,
-                       &tmp) &&
-      (tmp || dir_step != info.step)) {
-    return absl::DataLossError(absl::StrCat("checkpoint ", step_dir, ": holds step ", info.step,
-                                            " but its directory name says ", dir_step));
+  std::string dir_scope;
+  if (ParseStepDirName(fs::path(step_dir).lexically_normal().filename().string(), &dir_step, &tmp,
+                       &dir_scope)) {
+    if (tmp || dir_step != info.step) {
+      return absl::DataLossError(absl::StrCat("checkpoint ", step_dir, ": holds step ", info.step,
+                                              " but its directory name says ", dir_step));
+    }
+    // An unscoped name is what formats 1 and 2 wrote (or a renamed directory: meta.json says
+    // whose it is); a scoped one must agree with meta.json.
+    if (!dir_scope.empty() &&
+        (info.instance.empty() || dir_scope != CheckpointScopeName({info.instance, info.job_id}))) {
+      return absl::DataLossError(absl::StrCat("checkpoint ", step_dir, ": holds the checkpoint of ",
+                                              ScopeText(info.instance, info.job_id),
+                                              " but its directory name says ", dir_scope));
+    }
   }
   if (info.files.size() != static_cast<size_t>(info.spec.manifest().layers_size())) {
     return absl::DataLossError(absl::StrCat("checkpoint ", step_dir, ": ", info.files.size(),
@@ -560,7 +634,7 @@ absl::StatusOr<std::vector<CheckpointListing>> ListCheckpoints(const std::string
     if (!entry.is_directory(ec)) continue;
     CheckpointListing l;
     l.name = entry.path().filename().string();
-    if (!ParseStepDirName(l.name, &l.step, &l.temporary)) continue;
+    if (!ParseStepDirName(l.name, &l.step, &l.temporary, &l.scope_name)) continue;
     l.path = entry.path().string();
     for (const auto& f : fs::directory_iterator(entry.path(), ec)) {
       if (f.is_regular_file(ec)) l.size_bytes += f.file_size(ec);
@@ -572,6 +646,8 @@ absl::StatusOr<std::vector<CheckpointListing>> ListCheckpoints(const std::string
       absl::Status s = info.status();
       if (s.ok()) {
         l.created_unix_ms = info->created_unix_ms;
+        l.instance = info->instance;
+        l.job_id = info->job_id;
         if (verify_data) s = VerifyCheckpointData(*info);
       }
       l.valid = s.ok();
@@ -595,6 +671,36 @@ absl::StatusOr<CheckpointInfo> FindLatestCheckpointInfo(const std::string& path)
     return ReadCheckpointInfo(path);
   }
   ASSIGN_OR_RETURN(std::vector<CheckpointListing> all, ListCheckpoints(path, false));
+  // The jobs whose committed checkpoints these are, each with its newest (the list is newest
+  // first); resuming from the directory is unambiguous only with one.
+  struct Job {
+    const CheckpointListing* newest;
+    size_t count;
+  };
+  std::vector<Job> jobs;
+  for (const CheckpointListing& l : all) {
+    if (!l.valid) continue;
+    auto same = [&l](const Job& j) {
+      return j.newest->instance == l.instance && j.newest->job_id == l.job_id;
+    };
+    auto it = std::find_if(jobs.begin(), jobs.end(), same);
+    if (it == jobs.end()) {
+      jobs.push_back({&l, 1});
+    } else {
+      it->count++;
+    }
+  }
+  if (jobs.size() > 1) {
+    std::string list;
+    for (const Job& j : jobs) {
+      absl::StrAppend(&list, "; ", ScopeText(j.newest->instance, j.newest->job_id), ": ", j.count,
+                      " checkpoint(s), the newest ", j.newest->path, " (step ", j.newest->step,
+                      ")");
+    }
+    return absl::InvalidArgumentError(
+        absl::StrCat("checkpoint directory ", path, " holds the checkpoints of ", jobs.size(),
+                     " jobs", list, "; name the step directory to resume from"));
+  }
   std::string skipped;
   for (const CheckpointListing& l : all) {
     if (l.valid) return ReadCheckpointInfo(l.path);
@@ -604,16 +710,54 @@ absl::StatusOr<CheckpointInfo> FindLatestCheckpointInfo(const std::string& path)
                                           all.empty() ? " (no step-* directories)" : skipped));
 }
 
-absl::StatusOr<std::vector<std::string>> PruneCheckpoints(const std::string& dir,
-                                                          uint32_t keep_last,
-                                                          uint64_t protect_step) {
+absl::StatusOr<CheckpointInfo> FindLatestCheckpointInfo(const std::string& dir,
+                                                        const CheckpointScope& scope) {
   ASSIGN_OR_RETURN(std::vector<CheckpointListing> all, ListCheckpoints(dir, false));
+  const std::string mine = CheckpointScopeName(scope);
+  size_t others = 0;
+  size_t unscoped = 0;
+  std::string skipped;
+  for (const CheckpointListing& l : all) {  // newest first
+    if (l.valid) {
+      if (l.instance.empty()) {
+        ++unscoped;
+      } else if (l.instance != scope.instance || l.job_id != scope.job_id) {
+        ++others;
+      } else {
+        return ReadCheckpointInfo(l.path);
+      }
+    } else if (l.scope_name == mine) {
+      absl::StrAppend(&skipped, "; ", l.name, ": ", l.reason);
+    }
+  }
+  std::string passed;
+  if (others > 0) absl::StrAppend(&passed, "; ", others, " of other instances or jobs");
+  if (unscoped > 0) {
+    absl::StrAppend(&passed, "; ", unscoped,
+                    " of format 1-2 (no instance: restored only when named, --resume)");
+  }
+  return absl::NotFoundError(absl::StrCat("no committed checkpoint of ",
+                                          ScopeText(scope.instance, scope.job_id), " in ", dir,
+                                          skipped, passed));
+}
+
+absl::StatusOr<std::vector<std::string>> PruneCheckpoints(const std::string& dir,
+                                                          uint32_t keep_last, uint64_t protect_step,
+                                                          const CheckpointScope& scope) {
+  if (scope.instance.empty()) {
+    return absl::InvalidArgumentError("PruneCheckpoints: the scope's instance must be set");
+  }
+  ASSIGN_OR_RETURN(std::vector<CheckpointListing> all, ListCheckpoints(dir, false));
+  const std::string mine = CheckpointScopeName(scope);
+  auto own = [&scope](const CheckpointListing& l) {
+    return l.valid && l.instance == scope.instance && l.job_id == scope.job_id;
+  };
   std::vector<std::string> removed;
   uint64_t newest_valid = 0;
   bool any_valid = false;
   uint32_t kept = 0;
   for (const CheckpointListing& l : all) {  // newest first
-    if (!l.valid) continue;
+    if (!own(l)) continue;
     if (!any_valid) newest_valid = l.step;
     any_valid = true;
     if (keep_last == 0 || kept < keep_last || l.step == protect_step) {
@@ -632,10 +776,10 @@ absl::StatusOr<std::vector<std::string>> PruneCheckpoints(const std::string& dir
     }
     removed.push_back(l.path);
   }
-  // Interrupted writes and removals older than the newest commit are garbage; a newer .tmp may
-  // be a write in progress.
+  // Our interrupted writes and removals older than our newest commit are garbage; a newer .tmp
+  // may be a write in progress. (One hostd per instance: no other writes our scope's names.)
   for (const CheckpointListing& l : all) {
-    if (l.valid || !any_valid || l.step >= newest_valid) continue;
+    if (l.valid || !any_valid || l.step >= newest_valid || l.scope_name != mine) continue;
     std::error_code ec;
     fs::remove_all(l.path, ec);
     if (!ec) removed.push_back(l.path);

@@ -2,18 +2,29 @@
 // listing a directory of them. No TrainingState here (slidedpctl links it to list checkpoints
 // without a daemon); hostd/checkpoint.h captures a live job's state into this format.
 //
-// A checkpoint of version t is the directory <dir>/step-<t>/ (t zero-padded to 12 digits, so
-// names sort by step) holding
+// A checkpoint of version t of job J on hostd instance I is the directory
+// <dir>/step-<t>.<I>.<J>/ (t zero-padded to 12 digits, so names sort by step; I and J as they
+// are when made of [A-Za-z0-9_-], at most 64, else "~" and the hex XXH3-64 of the name) holding
 //   layer-<LLLLL>.bin  per layer: a 4096-byte header block (a 64-byte LayerFileHeader, then
 //                      zeros), then FP32 master, m, v (numel each). The data starts on a block
 //                      boundary so that a snapshot buffer (page-aligned master | m | v) goes to
 //                      disk with O_DIRECT, past the page cache. Format 1 (still read) had the
 //                      data right after the 64-byte header.
-//   meta.json          format version, job id, manifest hash, the JobSpec (manifest, optimizer
-//                      with the LR schedule, routes, seed, world size at save time), the model's
-//                      initializer_range / config.json, step t, and per file its size and xxh64
+//   meta.json          format version, instance, job id, manifest hash, the JobSpec (manifest,
+//                      optimizer with the LR schedule, routes, seed, world size at save time),
+//                      the model's initializer_range / config.json, step t, and per file its
+//                      size and xxh64
 //   COMMITTED          the commit marker: "slidedp-checkpoint <format> step <t> meta_xxh64 <hex>"
 // It is rank-count independent by construction: it is hostd's state, not the ranks'.
+//
+// Scope (format 3). Several instances and jobs may share a directory: each checkpoint says in
+// meta.json (which the marker's checksum covers) and in its directory name whose it is, and
+// what hostd finds, prunes and restores on its own (FindLatestCheckpointInfo with a scope,
+// PruneCheckpoints) is only its own instance's and job's. Checkpoints of formats 1 and 2
+// (<dir>/step-<t>/, no instance) are unscoped: still read, listed and restored when named
+// (FindLatestCheckpointInfo without a scope), but never picked or pruned by scope, so no
+// instance takes another's for its own. Naming a directory explicitly is unambiguous only
+// when it holds one job's checkpoints.
 //
 // Atomicity (CheckpointDirWriter): everything is written into <dir>/step-<t>.tmp/, each file
 // fsynced; meta.json written and fsynced; the .tmp directory fsynced; renamed to step-<t>/;
@@ -38,8 +49,10 @@
 
 namespace slidedp::hostd {
 
-// This hostd writes format 2 and reads formats 1 to 2.
-inline constexpr uint32_t kCheckpointFormatVersion = 2;
+// This hostd writes format 3 and reads formats 1 to 3.
+inline constexpr uint32_t kCheckpointFormatVersion = 3;
+// The first format whose checkpoints name their instance.
+inline constexpr uint32_t kFirstScopedCheckpointFormat = 3;
 inline constexpr uint32_t kOldestCheckpointFormatRead = 1;
 inline constexpr char kCheckpointMagic[] = "slidedp-checkpoint";
 inline constexpr char kCheckpointMarker[] = "COMMITTED";
@@ -56,6 +69,7 @@ struct LayerFileHeader {
 };
 static_assert(sizeof(LayerFileHeader) == 64);
 // Where a layer file's data (master) starts: 64 in format 1, the 4096-byte block from format 2.
+// (Format 3 changed meta.json and the directory name, not the layer files.)
 inline constexpr uint64_t LayerDataOffset(uint32_t format) {
   return format < 2 ? sizeof(LayerFileHeader) : 4096;
 }
@@ -69,11 +83,20 @@ struct CheckpointFile {
   uint64_t xxh64 = 0;  // XXH3_64bits of the whole file
 };
 
+// Whose checkpoints: the hostd instance (config key `instance`) and the job.
+struct CheckpointScope {
+  std::string instance;
+  std::string job_id;
+  bool operator==(const CheckpointScope&) const = default;
+};
+
 // What a checkpoint says about itself (meta.json), plus where it lies.
 struct CheckpointInfo {
   std::string path;  // the step directory
   uint64_t step = 0;
   uint32_t format = kCheckpointFormatVersion;
+  // The instance that wrote it (format 3); empty for formats 1 and 2: unscoped.
+  std::string instance;
   std::string job_id;
   std::string manifest_hash;  // hex, as ModelManifest.manifest_hash
   // manifest, optimizer (the LR schedule's settings; its position is `step`), routes, seed,
@@ -90,15 +113,20 @@ struct CheckpointInfo {
   uint64_t total_bytes = 0;           // of every file, meta.json and marker included
 };
 
-// "step-000000000042" for 42.
+// "<instance>.<job>", as the name of a checkpoint of `scope` carries them.
+std::string CheckpointScopeName(const CheckpointScope& scope);
+// "step-000000000042.<instance>.<job>" for 42: the name of a checkpoint of `scope`.
+std::string CheckpointDirName(uint64_t step, const CheckpointScope& scope);
+// "step-000000000042": the name formats 1 and 2 used (no scope).
 std::string CheckpointDirName(uint64_t step);
 
 // Reads a step directory's marker and meta.json and checks, without reading the layer data:
-// the marker exists and names meta.json's xxh64, the magic and format version, the step matches
-// the directory name, every layer file exists with the size meta.json gives. Errors (each naming
-// the directory and the file): NOT_FOUND (no directory, no marker: an uncommitted checkpoint),
-// DATA_LOSS (marker/meta mismatch, truncated or missing file), INVALID_ARGUMENT (unparsable
-// meta.json, unknown format version).
+// the marker exists and names meta.json's xxh64, the magic and format version, the step (and
+// from format 3 the instance and job) match the directory name, every layer file exists with
+// the size meta.json gives. Errors (each naming the directory and the file): NOT_FOUND (no
+// directory, no marker: an uncommitted checkpoint), DATA_LOSS (marker/meta mismatch, name/meta
+// mismatch, truncated or missing file), INVALID_ARGUMENT (unparsable meta.json, unknown format
+// version).
 absl::StatusOr<CheckpointInfo> ReadCheckpointInfo(const std::string& step_dir);
 
 // Reads every layer file and compares its XXH3-64 and header with meta.json; DATA_LOSS naming
@@ -109,6 +137,11 @@ struct CheckpointListing {
   std::string path;
   std::string name;
   uint64_t step = 0;  // from the directory name
+  // "<instance>.<job>" of the name (as CheckpointDirName writes them); empty: an unscoped name.
+  std::string scope_name;
+  // Valid ones: whose checkpoint it is (meta.json); instance empty for formats 1 and 2.
+  std::string instance;
+  std::string job_id;
   bool valid = false;
   std::string reason;  // why not valid ("no COMMITTED marker (incomplete write)", ...)
   uint64_t size_bytes = 0;
@@ -116,22 +149,33 @@ struct CheckpointListing {
   bool temporary = false;  // a step-<t>.tmp directory (a write in progress or interrupted)
 };
 
-// Every step-<t> and step-<t>.tmp directory of `dir`, newest step first; `verify_data` also
-// checks each valid one's checksums (reads every byte). NOT_FOUND when `dir` does not exist.
+// Every step directory of `dir` (step-<t>[.<instance>.<job>], and the same with .tmp), of every
+// scope, newest step first; `verify_data` also checks each valid one's checksums (reads every
+// byte). NOT_FOUND when `dir` does not exist.
 absl::StatusOr<std::vector<CheckpointListing>> ListCheckpoints(const std::string& dir,
                                                                bool verify_data);
 
+// A path the user named (--resume, CreateJob's resume_path), whoever's checkpoints it holds:
 // `path` is a step directory (has a COMMITTED marker or a meta.json): its info; else a checkpoint
-// directory: the newest committed step directory in it (marker and sizes checked, data not).
-// NOT_FOUND naming the directory and, per skipped candidate, why, when there is none.
+// directory: the newest committed step directory in it (marker and sizes checked, data not),
+// when its committed checkpoints are of one job (one instance and job id; unscoped ones count
+// by job id). INVALID_ARGUMENT listing each job with its newest step directory when they are of
+// several; NOT_FOUND naming the directory and, per skipped candidate, why, when there is none.
 absl::StatusOr<CheckpointInfo> FindLatestCheckpointInfo(const std::string& path);
 
-// Deletes committed checkpoints of `dir` beyond the newest `keep_last` (never the one at
-// `protect_step`), and .tmp directories of steps older than the newest committed one. keep_last
-// 0 keeps everything. Returns the paths removed.
+// hostd's own pick (recovery): the newest committed checkpoint of `scope` in the checkpoint
+// directory `dir`; others' and unscoped ones are never taken. NOT_FOUND saying how many
+// committed ones of other scopes it passed over.
+absl::StatusOr<CheckpointInfo> FindLatestCheckpointInfo(const std::string& dir,
+                                                        const CheckpointScope& scope);
+
+// Deletes the committed checkpoints of `scope` in `dir` beyond its newest `keep_last` (never the
+// one at `protect_step`), and its .tmp and unmarked directories of steps older than its newest
+// committed one. Nothing of another scope and no unscoped checkpoint is touched. keep_last 0
+// keeps everything. Returns the paths removed.
 absl::StatusOr<std::vector<std::string>> PruneCheckpoints(const std::string& dir,
-                                                          uint32_t keep_last,
-                                                          uint64_t protect_step);
+                                                          uint32_t keep_last, uint64_t protect_step,
+                                                          const CheckpointScope& scope);
 
 // How CheckpointDirWriter::WriteLayer writes a layer's data.
 struct LayerWrite {
@@ -150,10 +194,12 @@ class CheckpointDirWriter {
     std::function<void(std::string_view op, const std::string& path)> trace;
   };
 
-  // Creates <dir> if needed and <dir>/step-<t>.tmp/ (removing a stale one of the same step).
-  // ALREADY_EXISTS when step-<t>/ is already committed.
+  // Creates <dir> if needed and the .tmp directory of the checkpoint of `step` of `scope`
+  // (removing a stale one of the same step and scope). ALREADY_EXISTS when that checkpoint is
+  // already committed.
   static absl::StatusOr<std::unique_ptr<CheckpointDirWriter>> Begin(const std::string& dir,
                                                                     uint64_t step,
+                                                                    const CheckpointScope& scope,
                                                                     Options options = {});
   ~CheckpointDirWriter();  // removes the .tmp directory unless committed
   CheckpointDirWriter(const CheckpointDirWriter&) = delete;
@@ -166,9 +212,10 @@ class CheckpointDirWriter {
   absl::StatusOr<uint64_t> WriteLayer(uint32_t layer, uint64_t numel, const float* master,
                                       const float* m, const float* v, const LayerWrite& how = {});
 
-  // Writes meta.json from `info` (step, files and total_bytes are filled here), then renames and
-  // commits. Every layer 0..num_layers-1 of info.spec.manifest must have been written. Returns
-  // the committed info (path = the step directory).
+  // Writes meta.json from `info` (step, files, total_bytes, instance and job id are filled
+  // here, the last two from the writer's scope), then renames and commits. Every layer
+  // 0..num_layers-1 of info.spec.manifest must have been written. Returns the committed info
+  // (path = the step directory).
   absl::StatusOr<CheckpointInfo> Commit(CheckpointInfo info);
 
   uint64_t step() const { return step_; }
@@ -185,6 +232,7 @@ class CheckpointDirWriter {
   std::string tmp_;
   std::string final_;
   uint64_t step_ = 0;
+  CheckpointScope scope_;
   uint64_t bytes_written_ = 0;
   uint64_t bytes_direct_ = 0;
   bool committed_ = false;

@@ -7,19 +7,29 @@
 #include <xxhash.h>
 
 #include <chrono>
+#include <condition_variable>
 #include <csignal>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <future>
+#include <mutex>
 #include <random>
+#include <set>
+#include <sstream>
 #include <thread>
 
 #include "absl/strings/str_format.h"
 #include "common/thread_pool.h"
 #include "gtest/gtest.h"
+#include "hostd/config.h"
+#include "hostd/engine.h"
 #include "hostd/optimizer.h"
 #include "hostd/test_util.h"
+#include "kernels/cpu/bf16.h"
 #include "nlohmann/json.hpp"
+#include "spdlog/sinks/ostream_sink.h"
+#include "spdlog/spdlog.h"
 
 namespace slidedp::hostd {
 namespace {
@@ -37,6 +47,45 @@ v1::OptimizerConfig Cfg() {
   c.set_eps(1e-8);
   c.set_weight_decay(0.1);
   return *NormalizeOptimizerConfig(c);
+}
+
+std::string ReadFile(const fs::path& path) {
+  std::ifstream in(path, std::ios::binary);
+  return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+}
+
+// Rewrites the committed checkpoint at `path` as hostd wrote it in format 1 or 2: the layer
+// headers' format (and format 1's data right after the 64-byte header), meta.json without an
+// instance, the marker, and the unscoped directory name step-<t>. Returns the new path.
+std::string AsOldFormat(const std::string& path, uint32_t format) {
+  auto info = ReadCheckpointInfo(path);
+  EXPECT_TRUE(info.ok()) << info.status();
+  if (!info.ok()) return path;
+  nlohmann::json meta = nlohmann::json::parse(ReadFile(fs::path(path) / "meta.json"));
+  for (size_t i = 0; i < info->files.size(); ++i) {
+    const fs::path file = fs::path(path) / info->files[i].name;
+    const std::string bytes = ReadFile(file);
+    LayerFileHeader h{};
+    std::memcpy(&h, bytes.data(), sizeof(h));
+    h.format = format;
+    std::string head(LayerDataOffset(format), '\0');
+    std::memcpy(head.data(), &h, sizeof(h));
+    const std::string out = head + bytes.substr(4096);
+    std::ofstream(file, std::ios::binary | std::ios::trunc) << out;
+    meta["files"][i]["size_bytes"] = out.size();
+    meta["files"][i]["xxh64"] = absl::StrFormat("%016x", XXH3_64bits(out.data(), out.size()));
+  }
+  meta["format_version"] = format;
+  meta.erase("instance");
+  const std::string text = meta.dump(2);
+  std::ofstream(fs::path(path) / "meta.json", std::ios::trunc) << text;
+  std::ofstream(fs::path(path) / "COMMITTED", std::ios::trunc)
+      << absl::StrFormat("slidedp-checkpoint %u step %u meta_xxh64 %016x\n", format, info->step,
+                         XXH3_64bits(text.data(), text.size()));
+  const std::string legacy =
+      (fs::path(path).parent_path() / CheckpointDirName(info->step)).string();
+  fs::rename(path, legacy);
+  return legacy;
 }
 
 class CheckpointTest : public ::testing::Test {
@@ -92,6 +141,9 @@ class CheckpointTest : public ::testing::Test {
       }
     }
   }
+
+  // The name of a checkpoint the fixture's checkpointers write (instance and job "default").
+  static std::string Name(uint64_t step) { return CheckpointDirName(step, {"default", "default"}); }
 
   fs::path dir_;
   std::unique_ptr<ThreadPool> pool_;
@@ -343,10 +395,10 @@ TEST_F(CheckpointTest, IgnoresTmpAndUnmarkedDirectoriesAndPicksNewestValid) {
   ASSERT_TRUE(cp.Start(dir_.string(), 0, Describe(*state)).ok());
   ASSERT_TRUE(cp.Wait(0, 60000).ok());
   // A later write that crashed before its rename, and one that crashed before its marker.
-  fs::create_directories(dir_ / (CheckpointDirName(5) + ".tmp"));
-  std::ofstream(dir_ / (CheckpointDirName(5) + ".tmp") / "layer-00000.bin") << "partial";
-  fs::copy(dir_ / CheckpointDirName(0), dir_ / CheckpointDirName(4));
-  fs::remove(dir_ / CheckpointDirName(4) / "COMMITTED");
+  fs::create_directories(dir_ / (Name(5) + ".tmp"));
+  std::ofstream(dir_ / (Name(5) + ".tmp") / "layer-00000.bin") << "partial";
+  fs::copy(dir_ / Name(0), dir_ / Name(4));
+  fs::remove(dir_ / Name(4) / "COMMITTED");
   auto info = FindLatestCheckpoint(dir_.string());
   ASSERT_TRUE(info.ok()) << info.status();
   EXPECT_EQ(info->step, 0u);
@@ -360,8 +412,7 @@ TEST_F(CheckpointTest, IgnoresTmpAndUnmarkedDirectoriesAndPicksNewestValid) {
   EXPECT_NE((*list)[1].reason.find("no COMMITTED marker"), std::string::npos) << (*list)[1].reason;
   EXPECT_TRUE((*list)[2].valid) << (*list)[2].reason;
   // Naming the unmarked step directory itself is an error, not a fallback.
-  EXPECT_TRUE(
-      absl::IsNotFound(FindLatestCheckpoint((dir_ / CheckpointDirName(4)).string()).status()));
+  EXPECT_TRUE(absl::IsNotFound(FindLatestCheckpoint((dir_ / Name(4)).string()).status()));
   // A directory with none at all.
   fs::create_directories(dir_ / "empty");
   auto none = FindLatestCheckpoint((dir_ / "empty").string());
@@ -407,10 +458,11 @@ TEST_F(CheckpointTest, FlippedByteFailsTheChecksumNamingTheFile) {
   EXPECT_NE(m.status().message().find("meta.json"), std::string::npos);
 }
 
-// Format 2: each layer file's data starts at 4096 (the header block: the 64-byte header, then
-// zeros), so a snapshot buffer goes to disk with O_DIRECT where the file system takes it (a
-// probe says whether this one does). A format-1 checkpoint (data right after the 64-byte
-// header; rewritten here from the format-2 one) still restores the same state.
+// From format 2 each layer file's data starts at 4096 (the header block: the 64-byte header,
+// then zeros), so a snapshot buffer goes to disk with O_DIRECT where the file system takes it
+// (a probe says whether this one does). A format-1 checkpoint (data right after the 64-byte
+// header, no instance, named step-<t>; rewritten here from the format-3 one) still restores the
+// same state.
 TEST_F(CheckpointTest, Format2DataOnABlockBoundaryAndFormat1StillRestores) {
   auto state = NewState(1);
   Checkpointer cp(state.get(), pool_.get(), {.keep_last = 0});
@@ -457,8 +509,8 @@ TEST_F(CheckpointTest, Format2DataOnABlockBoundaryAndFormat1StillRestores) {
 
   auto info = ReadCheckpointInfo(r->path);
   ASSERT_TRUE(info.ok()) << info.status();
-  EXPECT_EQ(info->format, 2u);
-  nlohmann::json meta = nlohmann::json::parse(std::ifstream(fs::path(r->path) / "meta.json"));
+  EXPECT_EQ(info->format, 3u);
+  const nlohmann::json meta = nlohmann::json::parse(std::ifstream(fs::path(r->path) / "meta.json"));
   for (size_t i = 0; i < info->files.size(); ++i) {
     const CheckpointFile& f = info->files[i];
     const fs::path path = fs::path(r->path) / f.name;
@@ -467,19 +519,11 @@ TEST_F(CheckpointTest, Format2DataOnABlockBoundaryAndFormat1StillRestores) {
     std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
     LayerFileHeader h{};
     std::memcpy(&h, bytes.data(), sizeof(h));
-    EXPECT_EQ(h.format, 2u);
+    EXPECT_EQ(h.format, 3u);
     EXPECT_GE(bytes.find_first_not_of('\0', sizeof(h)), size_t{4096}) << f.name;  // zeros
-    h.format = 1;
-    std::string v1 = std::string(reinterpret_cast<const char*>(&h), sizeof(h)) + bytes.substr(4096);
-    std::ofstream(path, std::ios::binary | std::ios::trunc) << v1;
-    meta["files"][i]["size_bytes"] = v1.size();
-    meta["files"][i]["xxh64"] = absl::StrFormat("%016x", XXH3_64bits(v1.data(), v1.size()));
   }
-  meta["format_version"] = 1;
-  const std::string text = meta.dump(2);
-  std::ofstream(fs::path(r->path) / "meta.json", std::ios::trunc) << text;
-  std::ofstream(fs::path(r->path) / "COMMITTED", std::ios::trunc) << absl::StrFormat(
-      "slidedp-checkpoint 1 step 0 meta_xxh64 %016x\n", XXH3_64bits(text.data(), text.size()));
+  EXPECT_EQ(meta["instance"], "default");
+  r->path = AsOldFormat(r->path, 1);
 
   auto old = ReadCheckpointInfo(r->path);
   ASSERT_TRUE(old.ok()) << old.status();
@@ -492,11 +536,14 @@ TEST_F(CheckpointTest, Format2DataOnABlockBoundaryAndFormat1StillRestores) {
     EXPECT_EQ(restored->LayerChecksum(l), sums[l]) << "layer " << l;
   }
   // A format this hostd does not know is refused by name.
+  std::ifstream meta_in(fs::path(r->path) / "meta.json");
+  const std::string text((std::istreambuf_iterator<char>(meta_in)),
+                         std::istreambuf_iterator<char>());
   std::ofstream(fs::path(r->path) / "COMMITTED", std::ios::trunc) << absl::StrFormat(
-      "slidedp-checkpoint 3 step 0 meta_xxh64 %016x\n", XXH3_64bits(text.data(), text.size()));
+      "slidedp-checkpoint 4 step 0 meta_xxh64 %016x\n", XXH3_64bits(text.data(), text.size()));
   auto future = ReadCheckpointInfo(r->path);
   EXPECT_TRUE(absl::IsInvalidArgument(future.status())) << future.status();
-  EXPECT_NE(future.status().message().find("format version 3"), std::string::npos);
+  EXPECT_NE(future.status().message().find("format version 4"), std::string::npos);
 }
 
 // checkpoint.max_write_mb_per_s: the writes from the pool keep the pace (a checkpoint of B
@@ -573,8 +620,8 @@ TEST_F(CheckpointTest, FailedWriteKeepsThePreviousCheckpointAndTheState) {
     const std::string msg(failed.status().message());
     EXPECT_EQ(msg.find(text), msg.rfind(text)) << msg;
     EXPECT_EQ(cp.stats().checkpoints_failed, 1u);
-    EXPECT_FALSE(fs::exists(sub / (CheckpointDirName(1) + ".tmp")));
-    EXPECT_FALSE(fs::exists(sub / CheckpointDirName(1)));
+    EXPECT_FALSE(fs::exists(sub / (Name(1) + ".tmp")));
+    EXPECT_FALSE(fs::exists(sub / Name(1)));
     auto latest = FindLatestCheckpoint(sub.string());
     ASSERT_TRUE(latest.ok()) << latest.status();
     EXPECT_EQ(latest->step, 0u);
@@ -595,6 +642,344 @@ TEST_F(CheckpointTest, FailedWriteKeepsThePreviousCheckpointAndTheState) {
   }
 }
 
+// checkpoint.capture_timeout_s: an update waits for the checkpoint to capture its layer only so
+// long. The writer hangs in the write of layer 1 (the writer's trace blocks, as a hung disk
+// would; no pool, so layer 1 is written from the live state and its update must wait). The
+// update of layer 1 for the next step gives up after the timeout: the checkpoint fails at once
+// (Wait returns the error naming the layer, both steps and the wait; counted; logged once)
+// while its writer is still stuck, no later update waits for it, and the previous checkpoint
+// stays the newest. When the write returns, the writer removes its .tmp directory, nothing
+// commits, and the same step checkpoints afterwards.
+TEST_F(CheckpointTest, HungWriteFailsTheCheckpointAfterCaptureTimeoutAndTheUpdateGoesOn) {
+  auto state = NewState(1);
+  std::mutex mu;
+  std::condition_variable cv;
+  bool hang = false, hung = false, release = false;
+  Checkpointer::Options o;
+  o.keep_last = 0;
+  o.snapshot_pool_bytes = 0;
+  o.capture_timeout_ms = 50;
+  o.writer.trace = [&](std::string_view op, const std::string& path) {
+    if (op != "write" || fs::path(path).filename() != "layer-00001.bin") return;
+    std::unique_lock<std::mutex> l(mu);
+    if (!hang) return;
+    hung = true;
+    cv.notify_all();
+    cv.wait(l, [&] { return release; });
+  };
+  std::ostringstream log;
+  auto logger = std::make_shared<spdlog::logger>(
+      "ckpt-test", std::make_shared<spdlog::sinks::ostream_sink_mt>(log));
+  const auto previous_logger = spdlog::default_logger();
+  spdlog::set_default_logger(logger);
+  struct RestoreLogger {
+    std::shared_ptr<spdlog::logger> l;
+    ~RestoreLogger() { spdlog::set_default_logger(l); }
+  } restore{previous_logger};
+
+  Checkpointer cp(state.get(), pool_.get(), o);
+  ASSERT_TRUE(cp.Start(dir_.string(), 0, Describe(*state)).ok());
+  ASSERT_TRUE(cp.Wait(0, 60000).ok());
+  for (uint32_t l = 0; l < state->num_layers(); ++l) {  // version 1: the data as it is
+    state->BeginLayerWrite(l, 1);
+    state->PublishLayer(l, 1);
+  }
+  {
+    std::lock_guard<std::mutex> l(mu);
+    hang = true;
+  }
+  ASSERT_TRUE(cp.Start(dir_.string(), 1, Describe(*state)).ok());
+  {
+    std::unique_lock<std::mutex> l(mu);
+    ASSERT_TRUE(cv.wait_for(l, std::chrono::seconds(60), [&] { return hung; }));
+  }
+  // The update of layer 1 for step 2. On a bounded wait it returns while the write still hangs;
+  // the guard only keeps a wait without a deadline from hanging the test.
+  auto update = std::async(std::launch::async, [&] { cp.BeforeLayerWrite(1, 2); });
+  const bool returned = update.wait_for(std::chrono::seconds(60)) == std::future_status::ready;
+  EXPECT_TRUE(returned) << "the update still waits for the hung write after 60 s";
+  if (returned) {
+    auto failed = cp.Wait(1, 60000);
+    ASSERT_FALSE(failed.ok());
+    EXPECT_TRUE(absl::IsDeadlineExceeded(failed.status())) << failed.status();
+    const std::string msg(failed.status().message());
+    for (const char* want :
+         {"the update of layer 1 for step 2 waited 0.05 s (checkpoint.capture_timeout_s)",
+          "the checkpoint of step 1", "writing it to disk from the live state"}) {
+      EXPECT_NE(msg.find(want), std::string::npos) << want << " in: " << msg;
+    }
+    CheckpointStats st = cp.stats();
+    EXPECT_EQ(st.checkpoints_failed, 1u);
+    EXPECT_EQ(st.checkpoints_committed, 1u);
+    EXPECT_GT(st.stall_seconds, 0.0);
+    // The writer is still stuck: no new checkpoint, and no update waits for the failed one
+    // (layer 0 is still pending; waiting for it would count as stall).
+    const absl::Status busy = cp.Start(dir_.string(), 2, Describe(*state));
+    EXPECT_TRUE(absl::IsFailedPrecondition(busy)) << busy;
+    EXPECT_NE(busy.message().find("has not returned"), std::string::npos) << busy;
+    cp.BeforeLayerWrite(0, 2);
+    EXPECT_EQ(cp.stats().stall_seconds, st.stall_seconds);
+    auto latest = FindLatestCheckpoint(dir_.string());
+    ASSERT_TRUE(latest.ok()) << latest.status();
+    EXPECT_EQ(latest->step, 0u);
+  }
+  {
+    std::lock_guard<std::mutex> l(mu);
+    release = true;
+    hang = false;
+  }
+  cv.notify_all();
+  update.wait();
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+  while (cp.in_flight() && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  ASSERT_FALSE(cp.in_flight());
+  const CheckpointStats st = cp.stats();
+  EXPECT_EQ(st.checkpoints_failed, 1u);  // once, not again when the writer returned
+  EXPECT_EQ(st.checkpoints_committed, 1u);
+  EXPECT_FALSE(fs::exists(dir_ / (Name(1) + ".tmp")));
+  EXPECT_FALSE(fs::exists(dir_ / Name(1)));
+  auto latest = FindLatestCheckpoint(dir_.string());
+  ASSERT_TRUE(latest.ok()) << latest.status();
+  EXPECT_EQ(latest->step, 0u);
+  EXPECT_TRUE(VerifyCheckpointData(*latest).ok());
+  logger->flush();
+  const std::string text = log.str();
+  const std::string line = "checkpoint of step 1 failed";
+  EXPECT_NE(text.find(line), std::string::npos) << text;
+  EXPECT_EQ(text.find(line), text.rfind(line)) << "logged more than once:\n" << text;
+  // The same step commits once the disk is back.
+  ASSERT_TRUE(cp.Start(dir_.string(), 1, Describe(*state)).ok());
+  auto r = cp.Wait(1, 60000);
+  ASSERT_TRUE(r.ok()) << r.status();
+}
+
+// Two instances and a second job share one directory (issue #17). Each checkpoint says whose it
+// is (meta.json and its directory name), so the same step of each commits side by side, keep_last
+// prunes only the writer's own, and the latest of a scope is its own. Named explicitly, a step
+// directory of anyone's resumes; a directory of several jobs' checkpoints is ambiguous and the
+// error lists them. Format-2 checkpoints (no instance) are never picked nor pruned by scope, and
+// resume when named. The old code refused the second instance's checkpoint of a step the first
+// had written (ALREADY_EXISTS) and pruned across instances.
+TEST_F(CheckpointTest, InstancesAndJobsSharingADirectoryKeepToTheirOwn) {
+  auto a = NewState(1);
+  auto b = NewState(2);  // the same model, other weights
+  Checkpointer ca(a.get(), pool_.get(), {.instance = "ia", .keep_last = 2});
+  Checkpointer cb(b.get(), pool_.get(), {.instance = "ib", .keep_last = 2});
+  Checkpointer cj(a.get(), pool_.get(), {.instance = "ia", .keep_last = 2});
+  CheckpointInfo other_job = Describe(*a);
+  other_job.job_id = "job-2";
+  const std::string dir = dir_.string();
+  std::vector<uint64_t> sums_a;
+  for (uint64_t t = 1; t <= 4; ++t) {
+    for (TrainingState* s : {a.get(), b.get()}) {
+      for (uint32_t l = 0; l < s->num_layers(); ++l) {
+        s->BeginLayerWrite(l, t);
+        s->PublishLayer(l, t);
+      }
+    }
+    ASSERT_TRUE(ca.Start(dir, t, Describe(*a)).ok());
+    ASSERT_TRUE(ca.Wait(t, 60000).ok());
+    const absl::Status sb = cb.Start(dir, t, Describe(*b));
+    ASSERT_TRUE(sb.ok()) << sb;
+    auto rb = cb.Wait(t, 60000);
+    ASSERT_TRUE(rb.ok()) << rb.status();
+  }
+  for (uint32_t l = 0; l < a->num_layers(); ++l) sums_a.push_back(a->LayerChecksum(l));
+  ASSERT_TRUE(cj.Start(dir, 4, other_job).ok());
+  ASSERT_TRUE(cj.Wait(4, 60000).ok());
+  const CheckpointScope ia{"ia", "default"}, ib{"ib", "default"}, ij{"ia", "job-2"};
+  auto names = [&] {
+    std::set<std::string> n;
+    for (const auto& e : fs::directory_iterator(dir_)) n.insert(e.path().filename().string());
+    return n;
+  };
+  EXPECT_EQ(names(), (std::set<std::string>{CheckpointDirName(3, ia), CheckpointDirName(4, ia),
+                                            CheckpointDirName(3, ib), CheckpointDirName(4, ib),
+                                            CheckpointDirName(4, ij)}));
+  for (const auto& [scope, want] :
+       std::vector<std::pair<CheckpointScope, uint64_t>>{{ia, 4}, {ib, 4}, {ij, 4}}) {
+    auto found = FindLatestCheckpoint(dir, scope);
+    ASSERT_TRUE(found.ok()) << found.status();
+    EXPECT_EQ(found->step, want);
+    EXPECT_EQ(found->instance, scope.instance);
+    EXPECT_EQ(found->job_id, scope.job_id);
+    EXPECT_EQ(fs::path(found->path).filename(), CheckpointDirName(want, scope));
+  }
+  {
+    auto found = FindLatestCheckpoint(dir, ia);
+    ASSERT_TRUE(found.ok());
+    auto restored = NewState(9);
+    ASSERT_TRUE(RestoreCheckpoint(*found, restored.get(), pool_.get()).ok());
+    for (uint32_t l = 0; l < restored->num_layers(); ++l) {
+      EXPECT_EQ(restored->LayerChecksum(l), sums_a[l]) << "layer " << l;
+    }
+  }
+  auto none = FindLatestCheckpoint(dir, {"ic", "default"});
+  EXPECT_TRUE(absl::IsNotFound(none.status())) << none.status();
+  EXPECT_NE(none.status().message().find("5 of other instances or jobs"), std::string::npos)
+      << none.status();
+  // Named explicitly: a step directory is anyone's to resume; the directory is ambiguous.
+  auto named = FindLatestCheckpoint((dir_ / CheckpointDirName(3, ib)).string());
+  ASSERT_TRUE(named.ok()) << named.status();
+  EXPECT_EQ(named->instance, "ib");
+  auto ambiguous = FindLatestCheckpoint(dir);
+  EXPECT_TRUE(absl::IsInvalidArgument(ambiguous.status())) << ambiguous.status();
+  for (const std::string& want :
+       {std::string("holds the checkpoints of 3 jobs"), std::string("instance 'ia' job 'default'"),
+        std::string("instance 'ib' job 'default'"), std::string("instance 'ia' job 'job-2'"),
+        (dir_ / CheckpointDirName(4, ib)).string(), std::string("name the step directory")}) {
+    EXPECT_NE(ambiguous.status().message().find(want), std::string::npos)
+        << want << " in: " << ambiguous.status();
+  }
+  // A directory name that contradicts meta.json is refused.
+  fs::rename(dir_ / CheckpointDirName(3, ib), dir_ / CheckpointDirName(3, {"ix", "default"}));
+  auto renamed = ReadCheckpointInfo((dir_ / CheckpointDirName(3, {"ix", "default"})).string());
+  EXPECT_TRUE(absl::IsDataLoss(renamed.status())) << renamed.status();
+  EXPECT_NE(renamed.status().message().find("instance 'ib' job 'default'"), std::string::npos)
+      << renamed.status();
+  fs::rename(dir_ / CheckpointDirName(3, {"ix", "default"}), dir_ / CheckpointDirName(3, ib));
+
+  // A format-2 checkpoint (step 9, newer than all) in the same directory.
+  {
+    for (uint32_t l = 0; l < b->num_layers(); ++l) {
+      b->BeginLayerWrite(l, 9);
+      b->PublishLayer(l, 9);
+    }
+    Checkpointer cl(b.get(), pool_.get(), {.keep_last = 0});
+    ASSERT_TRUE(cl.Start((dir_ / "src").string(), 9, Describe(*b)).ok());
+    auto r = cl.Wait(9, 60000);
+    ASSERT_TRUE(r.ok()) << r.status();
+    EXPECT_EQ(AsOldFormat(r->path, 2), (dir_ / "src" / CheckpointDirName(9)).string());
+    auto only_old = FindLatestCheckpoint((dir_ / "src").string());  // one job's: unambiguous
+    ASSERT_TRUE(only_old.ok()) << only_old.status();
+    EXPECT_EQ(only_old->step, 9u);
+    EXPECT_EQ(only_old->format, 2u);
+    EXPECT_EQ(only_old->instance, "");
+    fs::rename(dir_ / "src" / CheckpointDirName(9), dir_ / CheckpointDirName(9));
+    fs::remove_all(dir_ / "src");
+  }
+  auto mine = FindLatestCheckpoint(dir, ia);
+  ASSERT_TRUE(mine.ok()) << mine.status();
+  EXPECT_EQ(mine->step, 4u);  // not the newer unscoped step 9
+  for (uint32_t l = 0; l < a->num_layers(); ++l) {
+    a->BeginLayerWrite(l, 5);
+    a->PublishLayer(l, 5);
+  }
+  ASSERT_TRUE(ca.Start(dir, 5, Describe(*a)).ok());  // prunes ia's step 3, nothing else
+  ASSERT_TRUE(ca.Wait(5, 60000).ok());
+  EXPECT_EQ(names(), (std::set<std::string>{CheckpointDirName(4, ia), CheckpointDirName(5, ia),
+                                            CheckpointDirName(3, ib), CheckpointDirName(4, ib),
+                                            CheckpointDirName(4, ij), CheckpointDirName(9)}));
+  auto legacy = FindLatestCheckpoint((dir_ / CheckpointDirName(9)).string());
+  ASSERT_TRUE(legacy.ok()) << legacy.status();
+  EXPECT_EQ(legacy->job_id, "default");
+  ASSERT_TRUE(VerifyCheckpointData(*legacy).ok());
+  auto restored = NewState(10);
+  ASSERT_TRUE(RestoreCheckpoint(*legacy, restored.get(), pool_.get()).ok());
+  EXPECT_EQ(restored->committed_version(0), 9u);
+  auto listed = ListCheckpoints(dir, false);
+  ASSERT_TRUE(listed.ok());
+  ASSERT_EQ(listed->size(), 6u);
+  EXPECT_EQ((*listed)[0].step, 9u);
+  EXPECT_TRUE((*listed)[0].valid) << (*listed)[0].reason;
+  EXPECT_EQ((*listed)[0].instance, "");
+  EXPECT_EQ((*listed)[0].scope_name, "");
+}
+
+// The same between two hostd engines: instances A and B share checkpoint.dir, the model and the
+// job id. A checkpoints steps 1 to 4, B (other weights) runs 6 steps and checkpoints 5 and 6;
+// keep_last 2 each. Neither prunes the other's. Then A starts again over a state it cannot
+// re-adopt (another model's, left by a crash): recovery restores A's own newest checkpoint (step
+// 4, A's weights), not B's newer one. The old code's B removed A's checkpoints, and A's recovery
+// restored B's step 6.
+TEST(CheckpointScopeEngineTest, InstancesSharingADirectoryNeitherPruneNorRestoreEachOthers) {
+  const fs::path dir = fs::temp_directory_path() / UniqueInstance("ckshare");
+  const std::string ck = (dir / "ck").string();
+  auto config = [&](const std::string& instance, uint64_t seed) {
+    HostdConfig c;
+    c.instance = instance;
+    c.model = "tiny";
+    c.seed = seed;
+    c.update_threads = 1;
+    c.mlock = "best_effort";
+    c.optimizer.set_lr(1e-3);
+    c.routes.set_chunk_bytes(1 << 20);
+    c.checkpoint.dir = ck;
+    c.checkpoint.keep_last = 2;
+    c.checkpoint.on_stop = false;
+    c.checkpoint.prepare_snapshot_pool = false;
+    return c;
+  };
+  auto step = [](Engine& e, uint64_t t) {
+    TrainingState* s = e.state();
+    for (uint32_t l = s->num_layers(); l-- > 0;) {
+      std::vector<uint16_t> g(s->layers()[l].numel, kernels::RoundToBf16(1e-2f * (1 + t + l)));
+      ASSERT_TRUE(e.SubmitGradient(l, t, {g.data(), kernels::GradType::kBf16, g.size()}).ok());
+      ASSERT_TRUE(e.WaitLayerVersion(l, t, std::chrono::seconds(30)).ok());
+    }
+  };
+  auto checkpoint = [](Engine& e, uint64_t t) {
+    v1::CheckpointRequest req;
+    req.set_wait(true);
+    auto r = e.Checkpoint(req);
+    ASSERT_TRUE(r.ok()) << r.status();
+    EXPECT_EQ(r->step(), t);
+  };
+  const std::string ia = UniqueInstance("ia"), ib = UniqueInstance("ib");
+  std::vector<uint64_t> sums_a;
+  {
+    auto ea = Engine::Create(config(ia, 1));
+    ASSERT_TRUE(ea.ok()) << ea.status();
+    auto eb = Engine::Create(config(ib, 2));
+    ASSERT_TRUE(eb.ok()) << eb.status();
+    for (uint64_t t = 1; t <= 6; ++t) {
+      if (t <= 4) {
+        ASSERT_NO_FATAL_FAILURE(step(**ea, t));
+        ASSERT_NO_FATAL_FAILURE(checkpoint(**ea, t));
+      }
+      ASSERT_NO_FATAL_FAILURE(step(**eb, t));
+      if (t >= 5) {
+        ASSERT_NO_FATAL_FAILURE(checkpoint(**eb, t));
+      }
+    }
+    for (uint32_t l = 0; l < (*ea)->state()->num_layers(); ++l) {
+      sums_a.push_back((*ea)->state()->LayerChecksum(l));
+    }
+    (*ea)->Shutdown(/*remove_state=*/true);
+    (*eb)->Shutdown(/*remove_state=*/true);
+  }
+  std::set<std::string> names;
+  for (const auto& e : fs::directory_iterator(ck)) names.insert(e.path().filename().string());
+  EXPECT_EQ(names,
+            (std::set<std::string>{
+                CheckpointDirName(3, {ia, "default"}), CheckpointDirName(4, {ia, "default"}),
+                CheckpointDirName(5, {ib, "default"}), CheckpointDirName(6, {ib, "default"})}));
+  {
+    // A crash left instance A's segments holding another model's state: not adoptable.
+    TrainingState::Options so;
+    so.instance = ia;
+    so.model = SmallModel();
+    so.mlock = MlockPolicy::kOff;
+    ASSERT_TRUE(TrainingState::Create(so, nullptr).ok());  // left in /dev/shm
+  }
+  auto again = Engine::Create(config(ia, 1));
+  ASSERT_TRUE(again.ok()) << again.status();
+  Engine& e = **again;
+  EXPECT_EQ(e.state()->committed_version(0), 4u);
+  for (uint32_t l = 0; l < e.state()->num_layers() && l < sums_a.size(); ++l) {
+    EXPECT_EQ(e.state()->LayerChecksum(l), sums_a[l]) << "layer " << l;
+  }
+  auto status = e.GetStatus();
+  ASSERT_TRUE(status.ok());
+  EXPECT_EQ(fs::path(status->job().resumed_from()).filename(),
+            CheckpointDirName(4, {ia, "default"}));
+  e.Shutdown(/*remove_state=*/true);
+  again->reset();
+  fs::remove_all(dir);
+}
+
 TEST_F(CheckpointTest, KeepLastDeletesOlderOnlyAfterCommit) {
   auto state = NewState(1);
   UpdateWorker worker(state.get(), pool_.get(), {kernels::BestIsa(), 8192}, Cfg());
@@ -611,7 +996,7 @@ TEST_F(CheckpointTest, KeepLastDeletesOlderOnlyAfterCommit) {
   std::vector<std::string> names;
   for (const auto& e : fs::directory_iterator(dir_)) names.push_back(e.path().filename().string());
   std::sort(names.begin(), names.end());
-  EXPECT_EQ(names, (std::vector<std::string>{CheckpointDirName(4), CheckpointDirName(5)}));
+  EXPECT_EQ(names, (std::vector<std::string>{Name(4), Name(5)}));
   // A second checkpoint of a committed step is refused.
   EXPECT_TRUE(absl::IsAlreadyExists(cp.Start(dir_.string(), 5, Describe(*state))));
 }
@@ -624,7 +1009,7 @@ TEST_F(CheckpointTest, DurableWriteOrder) {
   o.trace = [&ops](std::string_view op, const std::string& path) {
     ops.emplace_back(std::string(op), fs::path(path).filename().string());
   };
-  auto w = CheckpointDirWriter::Begin(dir_.string(), 7, o);
+  auto w = CheckpointDirWriter::Begin(dir_.string(), 7, {"default", "default"}, o);
   ASSERT_TRUE(w.ok());
   std::vector<float> a(100, 1.0f);
   auto state = NewState(1);
@@ -632,8 +1017,8 @@ TEST_F(CheckpointTest, DurableWriteOrder) {
   for (uint32_t l = 0; l < 2; ++l)
     ASSERT_TRUE((*w)->WriteLayer(l, 100, a.data(), a.data(), a.data()).ok());
   ASSERT_TRUE((*w)->Commit(info).ok());
-  const std::string tmp = CheckpointDirName(7) + ".tmp";
-  const std::string fin = CheckpointDirName(7);
+  const std::string tmp = Name(7) + ".tmp";
+  const std::string fin = Name(7);
   const std::vector<std::pair<std::string, std::string>> want = {
       {"mkdir", tmp},
       {"write", "layer-00000.bin"},

@@ -503,8 +503,9 @@ std::vector<KeyDescriptor> BuildKeys() {
   const std::string ckpt = "Checkpoints ([checkpoint] table in the file)";
   k.push_back(StringFnKey(
       "checkpoint.dir", ckpt,
-      "Directory of the job's checkpoints (step-<t>/ subdirectories); empty: no checkpoints "
-      "unless a Checkpoint request names a directory.",
+      "Directory of the job's checkpoints (step-<t>.<instance>.<job>/ subdirectories; instances "
+      "and jobs may share it); empty: no checkpoints unless a Checkpoint request names a "
+      "directory.",
       [](const HostdConfig& c) { return c.checkpoint.dir; },
       [](HostdConfig& c, std::string_view v) { c.checkpoint.dir = std::string(v); }));
   k.push_back(UintKey(
@@ -525,6 +526,14 @@ std::vector<KeyDescriptor> BuildKeys() {
       "(client_updated_layers, e.g. python_client's resident embeddings) before it fails.",
       86400, [](const HostdConfig& c) { return c.checkpoint.client_upload_timeout_s; },
       [](HostdConfig& c, uint64_t v) { c.checkpoint.client_upload_timeout_s = v; }));
+  k.push_back(UintKey(
+      "checkpoint.capture_timeout_s", ckpt,
+      "Seconds an optimizer update waits for the checkpoint in flight to capture its layer (the "
+      "snapshot pool full, or the layer being written from the live state) before that "
+      "checkpoint fails and the update goes on (a hung disk must not stall training); the "
+      "committed checkpoints stay. 0: no limit.",
+      86400, [](const HostdConfig& c) { return c.checkpoint.capture_timeout_s; },
+      [](HostdConfig& c, uint64_t v) { c.checkpoint.capture_timeout_s = v; }));
   k.push_back(UintKey(
       "checkpoint.max_write_mb_per_s", ckpt,
       "Megabytes (10^6 B) per second a checkpoint taken while training runs writes at most; 0: "
@@ -572,9 +581,10 @@ std::vector<KeyDescriptor> BuildKeys() {
       [](HostdConfig& c, bool v) { c.checkpoint.prepare_snapshot_pool = v; }));
   k.push_back(StringFnKey(
       "checkpoint.resume", ckpt,
-      "Start the job from this checkpoint (a checkpoint directory: its newest committed step; "
-      "or a step directory): master, m, v, step and LR schedule position; with model none the "
-      "model comes from the checkpoint, else it must match. Also --resume.",
+      "Start the job from this checkpoint (a step directory, or a checkpoint directory holding "
+      "one job's checkpoints: its newest committed step): master, m, v, step and LR schedule "
+      "position; with model none the model comes from the checkpoint, else it must match. Also "
+      "--resume.",
       [](const HostdConfig& c) { return c.checkpoint.resume; },
       [](HostdConfig& c, std::string_view v) { c.checkpoint.resume = std::string(v); }));
 

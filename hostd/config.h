@@ -68,13 +68,14 @@ struct HostdConfig {
   bool metrics_allow_remote = false;
   // [checkpoint] table (keys checkpoint.<name>; env SLIDEDP_CHECKPOINT_<NAME>); hostd/checkpoint.h.
   struct Checkpoint {
-    std::string dir;                         // where step-<t>/ directories go; "" : checkpoints off
+    std::string dir;                         // where step directories go; "" : checkpoints off
     uint64_t every_steps = 0;                // 0: only on request (and on stop)
     uint32_t keep_last = 3;                  // 0: keep every checkpoint
     bool on_stop = true;                     // a clean stop writes a final checkpoint first
     bool keep_snapshot_pool = true;          // snapshot buffers stay for the next checkpoint
     bool prepare_snapshot_pool = true;       // allocate the pool after the first step (dir set)
     uint64_t client_upload_timeout_s = 300;  // wait for the ranks' client-updated layers
+    uint64_t capture_timeout_s = 300;        // an update's wait for the checkpoint; 0: no limit
     uint64_t snapshot_pool_bytes = 0;        // 0: auto (the state's size when MemAvailable allows)
     uint64_t max_write_mb_per_s = 0;         // pace of a checkpoint written while training runs
     bool direct_io = true;                   // snapshot buffers to disk with O_DIRECT

@@ -846,6 +846,7 @@ TEST(ConfigTest, KeyListAndEnvNames) {
                         "checkpoint.keep_last",
                         "checkpoint.on_stop",
                         "checkpoint.client_upload_timeout_s",
+                        "checkpoint.capture_timeout_s",
                         "checkpoint.max_write_mb_per_s",
                         "checkpoint.direct_io",
                         "checkpoint.snapshot_pool_bytes",
@@ -853,7 +854,7 @@ TEST(ConfigTest, KeyListAndEnvNames) {
                         "recovery_on_inconsistent"}) {
     EXPECT_NE(std::find(keys.begin(), keys.end(), k), keys.end()) << k;
   }
-  EXPECT_EQ(keys.size(), 48u);
+  EXPECT_EQ(keys.size(), 49u);
   EXPECT_EQ(ConfigEnvName("world_size"), "SLIDEDP_WORLD_SIZE");
   // A key of a TOML table: the dot becomes '_'.
   EXPECT_EQ(ConfigEnvName("metrics.listen"), "SLIDEDP_METRICS_LISTEN");

@@ -548,6 +548,7 @@ absl::StatusOr<slidedp::v1::CheckpointResponse> Engine::Checkpoint(
     const slidedp::v1::CheckpointRequest& r) {
   uint64_t step = 0;
   std::string dir;
+  std::string path;
   {
     absl::MutexLock lock(&mu_);
     RETURN_IF_ERROR(CheckJob(r.job_id()));
@@ -567,10 +568,13 @@ absl::StatusOr<slidedp::v1::CheckpointResponse> Engine::Checkpoint(
     step = queued_step_ != 0 ? queued_step_ : running_step_ != 0 ? running_step_ : next_step_ - 1;
     RETURN_IF_ERROR(StartCheckpointLocked(dir, step));
     spdlog::info("checkpoint of step {} requested into {}", step, dir);
+    path =
+        (std::filesystem::path(dir) / CheckpointDirName(step, {config_.instance, job_->job_id()}))
+            .string();
   }
   slidedp::v1::CheckpointResponse resp;
   resp.set_step(step);
-  resp.set_path((std::filesystem::path(dir) / CheckpointDirName(step)).string());
+  resp.set_path(path);
   if (!r.wait()) return resp;
   ASSIGN_OR_RETURN(const CheckpointResult done, checkpointer_->Wait(step, kCheckpointWaitMs));
   resp.set_path(done.path);
@@ -690,10 +694,12 @@ absl::Status Engine::CreateJobLocked(slidedp::v1::JobSpec spec, LoadedModel mode
   // re-adopted when consistent, else handled by recovery_on_inconsistent (hostd/recovery.h).
   ASSIGN_OR_RETURN(const OnInconsistent policy,
                    ParseOnInconsistent(config_.recovery_on_inconsistent));
-  // Inconsistent state: the newest committed checkpoint of checkpoint.dir, if any.
-  auto find_checkpoint = [this]() -> std::optional<std::string> {
+  // Inconsistent state: the newest committed checkpoint of checkpoint.dir of this instance and
+  // job, if any (never another's that shares the directory).
+  auto find_checkpoint = [this, &spec]() -> std::optional<std::string> {
     if (config_.checkpoint.dir.empty()) return std::nullopt;
-    absl::StatusOr<CheckpointInfo> found = FindLatestCheckpoint(config_.checkpoint.dir);
+    absl::StatusOr<CheckpointInfo> found =
+        FindLatestCheckpoint(config_.checkpoint.dir, {config_.instance, spec.job_id()});
     if (!found.ok()) return std::nullopt;
     return found->path;
   };
@@ -758,11 +764,13 @@ absl::Status Engine::CreateJobLocked(slidedp::v1::JobSpec spec, LoadedModel mode
                       kernels::kStatsBlock * kernels::kStatsBlock;
   worker_ = std::make_unique<UpdateWorker>(state_.get(), pool_.get(), wo, spec.optimizer());
   Checkpointer::Options co;
+  co.instance = config_.instance;
   co.keep_last = config_.checkpoint.keep_last;
   co.snapshot_pool_bytes = config_.checkpoint.snapshot_pool_bytes;
   co.keep_snapshot_pool = config_.checkpoint.keep_snapshot_pool;
   co.client_upload_timeout_ms =
       static_cast<int64_t>(config_.checkpoint.client_upload_timeout_s) * 1000;
+  co.capture_timeout_ms = static_cast<int64_t>(config_.checkpoint.capture_timeout_s) * 1000;
   co.max_write_bytes_per_s = config_.checkpoint.max_write_mb_per_s * 1000000;
   co.direct_io = config_.checkpoint.direct_io;
   if (co.snapshot_pool_bytes == 0) {

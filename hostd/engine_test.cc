@@ -662,7 +662,8 @@ TEST_F(EngineTest, CheckpointAwaitsTheClientLayersUploadedByRankZero) {
     if (committed == 0) std::this_thread::sleep_for(std::chrono::milliseconds(10));
   }
   ASSERT_EQ(committed, 1u);
-  ASSERT_TRUE(std::filesystem::exists(dir_ / "ck" / "step-000000000001" / kCheckpointMarker));
+  ASSERT_TRUE(std::filesystem::exists(
+      dir_ / "ck" / CheckpointDirName(1, {config_.instance, "default"}) / kCheckpointMarker));
   for (uint32_t layer : {0u, last}) {
     const std::vector<float> m = pattern(layer, 0), v = pattern(layer, 2);
     EXPECT_EQ(std::memcmp(s->master(layer), m.data(), m.size() * 4), 0) << layer;
@@ -708,7 +709,8 @@ TEST_F(EngineTest, CheckpointAwaitsTheClientLayersUploadedByRankZero) {
         std::string::npos)
         << st.error_message();
   }
-  EXPECT_FALSE(std::filesystem::exists(dir_ / "ck" / "step-000000000002"));
+  EXPECT_FALSE(
+      std::filesystem::exists(dir_ / "ck" / CheckpointDirName(2, {config_.instance, "default"})));
   // The failed checkpoint's request is withdrawn: between steps, rank 0 may upload version 2.
   std::vector<float> v0 = pattern(0, 0);
   EXPECT_TRUE(upload(2, 0, 0, 0, v0, tok, &ur).ok());
@@ -1511,7 +1513,8 @@ TEST_P(OverlapTest, StopCancelsACheckpointOfAQueuedStepThatNeverRan) {
   absl::StatusOr<CheckpointInfo> info = FindLatestCheckpoint((run->dir / "ck").string());
   ASSERT_TRUE(info.ok()) << info.status();
   EXPECT_EQ(info->step, 1u);  // the final checkpoint (step 1 aborted: its layers are at 1)
-  EXPECT_FALSE(std::filesystem::exists(run->dir / "ck" / CheckpointDirName(2)));
+  EXPECT_FALSE(std::filesystem::exists(run->dir / "ck" /
+                                       CheckpointDirName(2, {e.config().instance, "default"})));
 }
 
 TEST_P(OverlapTest, AbortWithAQueuedStepDropsItAndItsRankBeginsItAgain) {

@@ -68,10 +68,26 @@ GradientReducer::GradientReducer(TrainingState* state, ThreadPool* pool, UpdateW
   buffers_.resize(2);
   reduced_.assign(state_->num_layers(), false);
   cursors_.assign(options_.pushing_ranks.size(), Cursor{});
+  sum_heads_.resize(options_.pushing_ranks.size());
   lent_.assign(size_t{state_->world_size()} * state_->grad_ring_slots(), false);
 }
 
 GradientReducer::~GradientReducer() { Stop(); }
+
+bool GradientReducer::ReadFullSlot(shm::ChunkSlot& cs, ChunkHeader* h) {
+  if (shm::Atomic(cs.state).load(std::memory_order_acquire) != shm::kSlotFull) return false;
+  // Atomic loads: the compiler may neither read a field again nor tear it (the rank writes the
+  // header from another process; plain reads of it would be a data race).
+  h->step = shm::Atomic(cs.step).load(std::memory_order_relaxed);
+  h->seq = shm::Atomic(cs.seq).load(std::memory_order_relaxed);
+  h->offset_elements = shm::Atomic(cs.offset_elements).load(std::memory_order_relaxed);
+  h->numel = shm::Atomic(cs.numel).load(std::memory_order_relaxed);
+  h->layer = shm::Atomic(cs.layer).load(std::memory_order_relaxed);
+  h->dtype = shm::Atomic(cs.dtype).load(std::memory_order_relaxed);
+  h->flags = shm::Atomic(cs.flags).load(std::memory_order_relaxed);
+  h->stats_sumsq = shm::Atomic(cs.stats_sumsq).load(std::memory_order_relaxed);
+  return true;
+}
 
 void GradientReducer::Start() {
   absl::MutexLock lock(&mu_);
@@ -162,11 +178,8 @@ void GradientReducer::DiscardStep(uint64_t step) {
     absl::MutexLock lock(&mu_);
     for (uint32_t r = 0; r < state_->world_size(); ++r) {
       for (uint32_t s = 0; s < state_->grad_ring_slots(); ++s) {
-        shm::ChunkSlot& cs = state_->chunk_slot(r, s);
-        if (shm::Atomic(cs.state).load(std::memory_order_acquire) == shm::kSlotFull &&
-            cs.step == step) {
-          EmptySlotLocked(r, s);
-        }
+        ChunkHeader h;
+        if (ReadFullSlot(state_->chunk_slot(r, s), &h) && h.step == step) EmptySlotLocked(r, s);
       }
     }
   }
@@ -237,21 +250,24 @@ bool GradientReducer::TrySumLocked() {
   if (armed_step_ == 0) return false;
   const uint32_t slots = state_->grad_ring_slots();
   const uint32_t slot = static_cast<uint32_t>(next_seq_ % slots);
-  // 1. Is chunk next_seq_ present in every pushing rank's ring?
-  for (uint32_t r : options_.pushing_ranks) {
-    shm::ChunkSlot& cs = state_->chunk_slot(r, slot);
-    if (shm::Atomic(cs.state).load(std::memory_order_acquire) != shm::kSlotFull) return false;
-    if (cs.step < armed_step_) {  // left over from an aborted step
+  // 1. Is chunk next_seq_ present in every pushing rank's ring? Each header is read here, once.
+  const size_t parts = options_.pushing_ranks.size();
+  for (size_t i = 0; i < parts; ++i) {
+    const uint32_t r = options_.pushing_ranks[i];
+    ChunkHeader& h = sum_heads_[i];
+    if (!ReadFullSlot(state_->chunk_slot(r, slot), &h)) return false;
+    if (h.step < armed_step_) {  // left over from an aborted step
       EmptySlotLocked(r, slot);
       return true;
     }
     // The next step, pushed early by a rank that is done with this one: it waits for Arm.
-    if (cs.step == armed_step_ + 1) return false;
+    if (h.step == armed_step_ + 1) return false;
   }
   // 2. Validate the headers against the protocol and each other.
-  const shm::ChunkSlot& h0 = state_->chunk_slot(options_.pushing_ranks[0], slot);
-  for (uint32_t r : options_.pushing_ranks) {
-    const shm::ChunkSlot& cs = state_->chunk_slot(r, slot);
+  const ChunkHeader& h0 = sum_heads_[0];
+  for (size_t i = 0; i < parts; ++i) {
+    const uint32_t r = options_.pushing_ranks[i];
+    const ChunkHeader& cs = sum_heads_[i];
     if (cs.step != armed_step_ || cs.seq != next_seq_) {
       FailLocked(absl::StrCat("rank ", r, " pushed chunk (step ", cs.step, ", seq ", cs.seq,
                               ") where (step ", armed_step_, ", seq ", next_seq_,
@@ -329,26 +345,24 @@ bool GradientReducer::TrySumLocked() {
   return true;
 }
 
-shm::ChunkSlot* GradientReducer::PeekLocked(size_t i, bool* progress) {
+bool GradientReducer::PeekLocked(size_t i, bool* progress, ChunkHeader* h) {
   const uint32_t r = options_.pushing_ranks[i];
   const uint32_t slots = state_->grad_ring_slots();
   const auto slot = static_cast<uint32_t>(cursors_[i].next_seq % slots);
   // Still lent: it holds chunk next_seq - slots (or one of an aborted step) until the worker has
   // written it; the rank cannot have refilled it.
-  if (lent_[size_t{r} * slots + slot]) return nullptr;
-  shm::ChunkSlot& cs = state_->chunk_slot(r, slot);
-  if (shm::Atomic(cs.state).load(std::memory_order_acquire) != shm::kSlotFull) return nullptr;
-  if (cs.step < armed_step_) {  // left over from an aborted step
+  if (lent_[size_t{r} * slots + slot]) return false;
+  if (!ReadFullSlot(state_->chunk_slot(r, slot), h)) return false;
+  if (h->step < armed_step_) {  // left over from an aborted step
     EmptySlotLocked(r, slot);
     *progress = true;
-    return nullptr;
+    return false;
   }
   // The next step, pushed early by a rank that is done with this one: it waits for Arm.
-  if (cs.step == armed_step_ + 1) return nullptr;
-  return &cs;
+  return h->step != armed_step_ + 1;
 }
 
-bool GradientReducer::CheckShardChunkLocked(size_t i, const shm::ChunkSlot& cs, uint32_t layer) {
+bool GradientReducer::CheckShardChunkLocked(size_t i, const ChunkHeader& cs, uint32_t layer) {
   const uint32_t r = options_.pushing_ranks[i];
   const Cursor& c = cursors_[i];
   if (cs.step != armed_step_ || cs.seq != c.next_seq) {
@@ -391,26 +405,26 @@ bool GradientReducer::CheckShardChunkLocked(size_t i, const shm::ChunkSlot& cs, 
 }
 
 bool GradientReducer::StartShardLayerLocked(bool* progress) {
-  shm::ChunkSlot* h = PeekLocked(0, progress);
-  if (h == nullptr) return false;
+  ChunkHeader h;
+  if (!PeekLocked(0, progress, &h)) return false;
   const uint32_t r0 = options_.pushing_ranks[0];
-  if (h->step != armed_step_ || h->seq != cursors_[0].next_seq) {
-    FailLocked(absl::StrCat("rank ", r0, " pushed chunk (step ", h->step, ", seq ", h->seq,
+  if (h.step != armed_step_ || h.seq != cursors_[0].next_seq) {
+    FailLocked(absl::StrCat("rank ", r0, " pushed chunk (step ", h.step, ", seq ", h.seq,
                             ") where (step ", armed_step_, ", seq ", cursors_[0].next_seq,
                             ") was expected"));
     return false;
   }
-  if (h->layer >= state_->num_layers()) {
-    FailLocked(absl::StrCat("rank ", r0, ", chunk seq ", h->seq, ": layer: got ", h->layer,
+  if (h.layer >= state_->num_layers()) {
+    FailLocked(absl::StrCat("rank ", r0, ", chunk seq ", h.seq, ": layer: got ", h.layer,
                             ", expected a layer of the model (0..", state_->num_layers() - 1, ")"));
     return false;
   }
-  if (reduced_[h->layer]) {
-    FailLocked(absl::StrCat("rank ", r0, ", chunk seq ", h->seq, ": layer: got ", h->layer,
-                            ", but layer ", h->layer, " was already pushed in step ", armed_step_));
+  if (reduced_[h.layer]) {
+    FailLocked(absl::StrCat("rank ", r0, ", chunk seq ", h.seq, ": layer: got ", h.layer,
+                            ", but layer ", h.layer, " was already pushed in step ", armed_step_));
     return false;
   }
-  const uint32_t layer = h->layer;
+  const uint32_t layer = h.layer;
   const uint64_t numel = state_->layers()[layer].numel;
   const auto parts = static_cast<uint32_t>(options_.pushing_ranks.size());
   for (uint32_t i = 0; i < parts; ++i) {
@@ -428,24 +442,24 @@ bool GradientReducer::StartShardLayerLocked(bool* progress) {
   if (stream) {
     for (uint32_t i = 0; i < parts; ++i) {
       if (cursors_[i].end == cursors_[i].begin) continue;  // empty shard: 0, finite, no chunk
-      shm::ChunkSlot* cs = PeekLocked(i, progress);
-      if (cs == nullptr) return false;
-      if (!CheckShardChunkLocked(i, *cs, layer)) return false;
+      ChunkHeader cs;
+      if (!PeekLocked(i, progress, &cs)) return false;
+      if (!CheckShardChunkLocked(i, cs, layer)) return false;
       const uint32_t r = options_.pushing_ranks[i];
-      if ((cs->flags & shm::kChunkFlagStats) == 0) {
+      if ((cs.flags & shm::kChunkFlagStats) == 0) {
         stream = false;
         why_buffered = absl::StrCat("rank ", r, "'s first chunk carries no stats");
         break;
       }
-      if ((cs->flags & shm::kChunkFlagNonFinite) != 0) {
+      if ((cs.flags & shm::kChunkFlagNonFinite) != 0) {
         nonfinite = true;
-      } else if (!(cs->stats_sumsq >= 0) || !std::isfinite(cs->stats_sumsq)) {
+      } else if (!(cs.stats_sumsq >= 0) || !std::isfinite(cs.stats_sumsq)) {
         FailLocked(absl::StrCat(
-            "rank ", r, ", layer ", layer, " chunk seq ", cs->seq, ": stats_sumsq: got ",
-            cs->stats_sumsq, ", expected a finite sum of squares >= 0 (or kChunkFlagNonFinite)"));
+            "rank ", r, ", layer ", layer, " chunk seq ", cs.seq, ": stats_sumsq: got ",
+            cs.stats_sumsq, ", expected a finite sum of squares >= 0 (or kChunkFlagNonFinite)"));
         return false;
       } else {
-        sum_squares += cs->stats_sumsq;  // in rank order: deterministic
+        sum_squares += cs.stats_sumsq;  // in rank order: deterministic
       }
     }
   }
@@ -478,7 +492,7 @@ bool GradientReducer::StartShardLayerLocked(bool* progress) {
   return true;
 }
 
-bool GradientReducer::ConsumeShardChunkLocked(size_t i, shm::ChunkSlot& cs) {
+bool GradientReducer::ConsumeShardChunkLocked(size_t i, const ChunkHeader& cs) {
   const uint32_t r = options_.pushing_ranks[i];
   Cursor& c = cursors_[i];
   const uint32_t slots = state_->grad_ring_slots();
@@ -535,9 +549,9 @@ bool GradientReducer::TryShardsLocked() {
   for (size_t i = 0; i < cursors_.size(); ++i) {
     Cursor& c = cursors_[i];
     while (c.done < c.end - c.begin) {
-      shm::ChunkSlot* cs = PeekLocked(i, &progress);
-      if (cs == nullptr) break;
-      if (!CheckShardChunkLocked(i, *cs, layer) || !ConsumeShardChunkLocked(i, *cs)) return true;
+      ChunkHeader cs;
+      if (!PeekLocked(i, &progress, &cs)) break;
+      if (!CheckShardChunkLocked(i, cs, layer) || !ConsumeShardChunkLocked(i, cs)) return true;
       progress = true;
     }
     if (c.done < c.end - c.begin) {
@@ -546,11 +560,11 @@ bool GradientReducer::TryShardsLocked() {
     }
     // The rank's shard is complete, so its next chunk must be of a later layer; one of this
     // layer means it pushed more than its shard.
-    const shm::ChunkSlot* next = PeekLocked(i, &progress);
-    if (next != nullptr && next->step == armed_step_ && next->layer == layer) {
+    ChunkHeader next;
+    if (PeekLocked(i, &progress, &next) && next.step == armed_step_ && next.layer == layer) {
       FailLocked(absl::StrCat("rank ", options_.pushing_ranks[i], ", layer ", layer, " chunk seq ",
-                              next->seq, ": offset_elements: got ", next->offset_elements,
-                              " with numel ", next->numel, ", expected nothing more (its shard [",
+                              next.seq, ": offset_elements: got ", next.offset_elements,
+                              " with numel ", next.numel, ", expected nothing more (its shard [",
                               c.begin, ", ", c.end, ") is complete)"));
       return true;
     }

@@ -38,6 +38,12 @@
 // up where t has nothing more of that rank, so it is left in its slot, neither consumed nor an
 // error, until Arm(t + 1). Chunks of earlier steps are discarded (left over from an abort).
 //
+// A rank owns its ChunkSlots and may rewrite a header at any time, also after publishing it. So
+// every header field the reducer uses is read from shared memory once, after the acquire load of
+// the slot's state, into a ChunkHeader (ReadFullSlot in reducer.cc, for both routes); only that
+// copy is validated and used. A second read could see another length or offset than the one
+// validated and overflow hostd's buffers.
+//
 // A header that breaks the protocol (wrong step or sequence, unknown layer, out-of-order or
 // duplicate chunk, wrong dtype, a chunk outside the rank's shard, oversize chunk, ranks
 // disagreeing, stats that are not a finite sum of squares) calls `on_error` with a message naming
@@ -143,6 +149,20 @@ class GradientReducer {
     std::vector<float> data;
     bool busy = false;
   };
+  // A ring slot's header, copied out of shared memory once (see the overview).
+  struct ChunkHeader {
+    uint64_t step = 0;
+    uint64_t seq = 0;
+    uint64_t offset_elements = 0;
+    uint64_t numel = 0;
+    uint32_t layer = 0;
+    uint32_t dtype = 0;
+    uint32_t flags = 0;
+    double stats_sumsq = 0;
+  };
+  // Whether `cs` is full; if so its header is copied into *h, each field read once after the
+  // acquire load of its state. The one way the reducer reads a header.
+  static bool ReadFullSlot(shm::ChunkSlot& cs, ChunkHeader* h);
   // kShards: where pushing_ranks[i] is in its ring and in its shard of the current layer.
   struct Cursor {
     uint64_t next_seq = 0;
@@ -161,15 +181,17 @@ class GradientReducer {
   // kShards: picks the next layer from pushing_ranks[0]'s next chunk and decides streamed or
   // buffered. False while waiting (or after FailLocked); sets *progress on a discarded slot.
   bool StartShardLayerLocked(bool* progress) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // kShards: the full slot at pushing_ranks[i]'s cursor, or null. Empties a stale slot (of an
-  // earlier step) that is not lent, setting *progress.
-  shm::ChunkSlot* PeekLocked(size_t i, bool* progress) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // kShards: checks the header at pushing_ranks[i]'s cursor against the current shard of
-  // `layer`; calls FailLocked and returns false on a violation.
-  bool CheckShardChunkLocked(size_t i, const shm::ChunkSlot& cs, uint32_t layer)
+  // kShards: whether the slot at pushing_ranks[i]'s cursor is full with a chunk to look at; if
+  // so its header is copied into *h. Empties a stale slot (of an earlier step) that is not lent,
+  // setting *progress.
+  bool PeekLocked(size_t i, bool* progress, ChunkHeader* h) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // kShards: checks the header of the chunk at pushing_ranks[i]'s cursor against the current
+  // shard of `layer`; calls FailLocked and returns false on a violation.
+  bool CheckShardChunkLocked(size_t i, const ChunkHeader& h, uint32_t layer)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // kShards: consumes the checked chunk at pushing_ranks[i]'s cursor. False after FailLocked.
-  bool ConsumeShardChunkLocked(size_t i, shm::ChunkSlot& cs) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // kShards: consumes the checked chunk at pushing_ranks[i]'s cursor, as `h` (the header that
+  // was checked) describes it. False after FailLocked.
+  bool ConsumeShardChunkLocked(size_t i, const ChunkHeader& h) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Submits the complete buffered layer `current_layer_` (FailLocked on refusal).
   void SubmitBufferLocked(uint64_t numel) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Empties a slot and wakes its rank, unless the slot is lent to the worker.
@@ -193,9 +215,10 @@ class GradientReducer {
 
   mutable absl::Mutex mu_;
   bool stop_ ABSL_GUARDED_BY(mu_) = false;
-  uint64_t armed_step_ ABSL_GUARDED_BY(mu_) = 0;      // 0: no step running
-  uint64_t next_seq_ ABSL_GUARDED_BY(mu_) = 0;        // kSum: the lockstep cursor
-  std::vector<Cursor> cursors_ ABSL_GUARDED_BY(mu_);  // kShards: per pushing rank
+  uint64_t armed_step_ ABSL_GUARDED_BY(mu_) = 0;             // 0: no step running
+  uint64_t next_seq_ ABSL_GUARDED_BY(mu_) = 0;               // kSum: the lockstep cursor
+  std::vector<Cursor> cursors_ ABSL_GUARDED_BY(mu_);         // kShards: per pushing rank
+  std::vector<ChunkHeader> sum_heads_ ABSL_GUARDED_BY(mu_);  // kSum: per pushing rank
   int64_t current_layer_ ABSL_GUARDED_BY(mu_) = -1;
   uint64_t current_done_ ABSL_GUARDED_BY(mu_) = 0;  // kSum: elements of current_layer_ reduced
   bool current_streamed_ ABSL_GUARDED_BY(mu_) = false;

@@ -8,12 +8,17 @@
 #include "hostd/reducer.h"
 
 #include <linux/futex.h>
+#include <signal.h>
+#include <sys/mman.h>
 #include <sys/syscall.h>
+#include <ucontext.h>
 #include <unistd.h>
 
 #include <atomic>
 #include <chrono>
 #include <cmath>
+#include <cstddef>
+#include <cstdio>
 #include <cstring>
 #include <functional>
 #include <future>
@@ -880,6 +885,339 @@ TEST(EngineShardRouteTest, StreamedStepsThenAbortMidLayerRefusesFurtherSteps) {
       absl::StatusCode::kFailedPrecondition);
   engine->Shutdown(/*remove_state=*/true);
 }
+
+// (g) A rank owns its ChunkSlot headers and may rewrite one at any moment, also between two reads
+// of hostd. FieldFlip makes that moment deterministic without a hook in hostd: it rewrites a
+// header field in shared memory right after this process's N-th access to it. The page holding
+// the field is made inaccessible; each access to the page faults, the SIGSEGV handler opens the
+// page and single-steps the faulting instruction (the x86 trap flag), and the SIGTRAP handler
+// counts the access if it touched the field (any access of up to 16 bytes that covers it),
+// writes the new value after the N-th, and closes the page again. x86-64 Linux only.
+// (Not under ThreadSanitizer, whose signal handling and shadow memory it would race with.)
+#if defined(__SANITIZE_THREAD__)
+#define SLIDEDP_UNDER_TSAN 1
+#elif defined(__has_feature)
+#if __has_feature(thread_sanitizer)
+#define SLIDEDP_UNDER_TSAN 1
+#endif
+#endif
+#if defined(__x86_64__) && defined(__linux__) && !defined(SLIDEDP_UNDER_TSAN)
+#define SLIDEDP_FIELD_FLIP 1
+#endif
+
+#ifdef SLIDEDP_FIELD_FLIP
+// FieldFlip's state: the signal handlers reach it without locks.
+struct FieldFlipState {
+  std::atomic<char*> page{nullptr};
+  uintptr_t page_bytes = 4096;
+  char* field = nullptr;
+  size_t size = 0;
+  uint64_t value = 0;
+  int after = 0;
+  std::atomic<int> count{0};
+  std::atomic<bool> flipped{false};
+  std::atomic<bool> armed{false};
+  std::atomic<int> in_flight{0};  // threads between their fault and their trap
+  struct sigaction old_segv {};
+};
+FieldFlipState g_flip;
+thread_local char* t_flip_fault_addr = nullptr;  // the access this thread single-steps
+
+class FieldFlip {
+ public:
+  // From now on, accesses to the `size`-byte field at `field` are counted; right after access
+  // number `after` (1-based; 0: now) the field holds `value`. False when the page cannot be
+  // protected.
+  static bool Arm(void* field, size_t size, uint64_t value, int after) {
+    static bool installed = [] {
+      struct sigaction sa {};
+      sa.sa_sigaction = OnSegv;
+      sa.sa_flags = SA_SIGINFO;
+      sigemptyset(&sa.sa_mask);
+      sigaction(SIGSEGV, &sa, &g_flip.old_segv);
+      sa.sa_sigaction = OnTrap;
+      sigaction(SIGTRAP, &sa, nullptr);
+      return true;
+    }();
+    (void)installed;
+    const auto page_bytes = static_cast<uintptr_t>(sysconf(_SC_PAGESIZE));
+    char* f = static_cast<char*>(field);
+    g_flip.field = f;
+    g_flip.size = size;
+    g_flip.value = value;
+    g_flip.after = after;
+    g_flip.count = 0;
+    g_flip.flipped = false;
+    g_flip.page_bytes = page_bytes;
+    if (after == 0) {
+      std::memcpy(f, &value, size);
+      g_flip.flipped = true;
+    }
+    char* page = reinterpret_cast<char*>(reinterpret_cast<uintptr_t>(f) & ~(page_bytes - 1));
+    g_flip.page.store(page);
+    g_flip.armed.store(true);
+    if (mprotect(page, page_bytes, PROT_NONE) != 0) {
+      g_flip.armed.store(false);
+      g_flip.page.store(nullptr);
+      return false;
+    }
+    return true;
+  }
+  // Stops counting and opens the page for good.
+  static void Disarm() {
+    g_flip.armed.store(false);
+    // A thread between its fault and its trap may still close the page: wait for it.
+    while (g_flip.in_flight.load() != 0) std::this_thread::yield();
+    mprotect(g_flip.page.load(), g_flip.page_bytes, PROT_READ | PROT_WRITE);
+    g_flip.page.store(nullptr);
+  }
+  static int accesses() { return g_flip.count.load(); }
+  static bool flipped() { return g_flip.flipped.load(); }
+
+ private:
+  static constexpr greg_t kTrapFlag = 0x100;
+
+  static void OnSegv(int, siginfo_t* si, void* ctx) {
+    char* addr = static_cast<char*>(si->si_addr);
+    char* page = g_flip.page.load();
+    if (page == nullptr || addr < page || addr >= page + g_flip.page_bytes) {
+      // Not the watched page (e.g. hostd overflowing a buffer): the previous handler, or the
+      // default action, gets the fault when the instruction runs again.
+      sigaction(SIGSEGV, &g_flip.old_segv, nullptr);
+      return;
+    }
+    g_flip.in_flight.fetch_add(1);
+    mprotect(page, g_flip.page_bytes, PROT_READ | PROT_WRITE);
+    t_flip_fault_addr = addr;
+    static_cast<ucontext_t*>(ctx)->uc_mcontext.gregs[REG_EFL] |= kTrapFlag;
+  }
+  static void OnTrap(int, siginfo_t*, void* ctx) {
+    if (t_flip_fault_addr == nullptr) {  // not a step of ours
+      signal(SIGTRAP, SIG_DFL);
+      raise(SIGTRAP);
+      return;
+    }
+    static_cast<ucontext_t*>(ctx)->uc_mcontext.gregs[REG_EFL] &= ~kTrapFlag;
+    char* addr = t_flip_fault_addr;
+    t_flip_fault_addr = nullptr;
+    if (g_flip.armed.load() && addr + 16 > g_flip.field && addr < g_flip.field + g_flip.size) {
+      if (g_flip.count.fetch_add(1) + 1 == g_flip.after) {
+        std::memcpy(g_flip.field, &g_flip.value, g_flip.size);
+        g_flip.flipped.store(true);
+      }
+    }
+    if (g_flip.armed.load()) mprotect(g_flip.page.load(), g_flip.page_bytes, PROT_NONE);
+    g_flip.in_flight.fetch_sub(1);
+  }
+};
+#endif  // SLIDEDP_FIELD_FLIP
+
+// One layer of 3000 elements, FP32 chunks of 1024: on the sum route each of 2 ranks pushes 3
+// chunks (the last one of 952 elements), on the shard route each pushes its shard of 1536 or
+// 1464 elements in 2 chunks, on the GPU route one rank pushes 3. Every chunk of the step fits
+// the 4-slot rings, so the whole step is pushed first; then the reducer runs on the test thread
+// (PollOnce) and the worker starts only afterwards: while a field is watched nothing else
+// touches shared memory.
+struct FlipRig {
+  enum class Route { kSum, kShards, kGpu };
+  static constexpr uint64_t kNumel = 3000;
+  static constexpr uint64_t kStep = 1;
+
+  FlipRig(Route r, Granularity g) : route(r) {
+    static ThreadPool* shared_pool = ThreadPool::Create({.num_threads = 1}).value().release();
+    world = route == Route::kGpu ? 1 : 2;
+    TrainingState::Options so;
+    so.instance = testing::UniqueInstance("flip");
+    auto* l = so.model.manifest.add_layers();
+    so.model.manifest.set_family("test");
+    so.model.manifest.set_name("flip");
+    l->set_name("block0");
+    l->set_kind(v1::LAYER_KIND_DECODER);
+    auto* t = l->add_tensors();
+    t->set_name("block0.weight");
+    t->add_shape(kNumel);
+    t->set_dtype(v1::DTYPE_BF16);
+    so.seed = 5;
+    so.world_size = world;
+    so.mlock = MlockPolicy::kOff;
+    so.chunk_bytes = kChunkBytes;
+    so.grad_ring_slots = 4;
+    so.grad_dtype = 1;
+    so.grad_route = route == Route::kSum ? 1 : route == Route::kGpu ? 2 : 3;
+    auto created = TrainingState::Create(so, shared_pool);
+    EXPECT_TRUE(created.ok()) << created.status();
+    state = std::move(*created);
+    state->set_remove_on_destroy(true);
+    worker = std::make_unique<UpdateWorker>(
+        state.get(), shared_pool, UpdateWorker::Options{kernels::BestIsa(), 8192}, BaseConfig());
+    GradientReducer::Options ro;
+    ro.route =
+        route == Route::kSum ? GradientReducer::Route::kSum : GradientReducer::Route::kShards;
+    ro.grad_type = kernels::GradType::kFp32;
+    ro.granularity = g;
+    for (uint32_t i = 0; i < world; ++i) ro.pushing_ranks.push_back(i);
+    reducer =
+        std::make_unique<GradientReducer>(state.get(), nullptr, worker.get(), ro, nullptr,
+                                          [this](uint64_t step, const std::string& reason) {
+                                            errors.push_back(reason);
+                                            reducer->Abort(step);
+                                            worker->AbortStep(step, [this] { sealed = true; });
+                                          });
+    for (uint32_t i = 0; i < world; ++i)
+      ranks.emplace_back(state.get(), i, kernels::GradType::kFp32);
+    initial = state->LayerChecksum(0);
+  }
+  ~FlipRig() {
+    worker->Stop();
+    reducer.reset();
+  }
+
+  void PushStep() {
+    reducer->Arm(kStep);
+    for (uint32_t i = 0; i < world; ++i) {
+      ranks[i].BeginStep();
+      const std::vector<float> g = Gradient(kStep, route == Route::kSum ? 10 + i : 0, kNumel);
+      const shm::ShardRange sh =
+          route == Route::kShards ? shm::ShardOf(kNumel, world, i) : shm::ShardRange{0, kNumel};
+      ASSERT_TRUE(ranks[i].PushRange(kStep, 0, sh.begin, sh.begin + sh.numel, g.data(), {}).ok());
+    }
+  }
+  static uint32_t ChunksOfRank(Route route, uint32_t i) {
+    const uint64_t n = route == Route::kShards ? shm::ShardOf(kNumel, 2, i).numel : kNumel;
+    return static_cast<uint32_t>((n + 1023) / 1024);
+  }
+  void Poll() {
+    for (int idle = 0; idle < 3;) idle = reducer->PollOnce() ? 0 : idle + 1;
+  }
+  // Starts the worker and waits for the step to end: published, or aborted and sealed.
+  bool Finish() {
+    worker->Start();
+    return WaitUntil([&] {
+      Poll();  // lent slots come back as the worker writes them
+      return state->committed_version(0) == kStep || (!errors.empty() && sealed.load());
+    });
+  }
+
+  Route route;
+  uint32_t world = 2;
+  std::unique_ptr<TrainingState> state;
+  std::unique_ptr<UpdateWorker> worker;
+  std::unique_ptr<GradientReducer> reducer;
+  std::vector<FakeRank> ranks;
+  std::vector<std::string> errors;  // on the polling thread only
+  std::atomic<bool> sealed{false};
+  uint64_t initial = 0;
+};
+
+// Every header field the reducer uses for a length, a destination or an index (offset_elements,
+// numel, layer) of every chunk of every route is rewritten to a value that breaks the layer,
+// before the reducer reads it and right after each of its accesses to it in turn. Whatever the
+// moment, hostd either refuses the chunk (a protocol error, the step aborted, the layer not
+// updated or torn) or uses the header it validated: the step completes with exactly the result
+// of the unchanged run. A reducer that reads a field again after validating it updates the
+// layer with misplaced data, or writes past its gradient buffer (a crash).
+struct FlipRoute {
+  const char* name;
+  FlipRig::Route route;
+  Granularity granularity;
+};
+class ChunkHeaderRaceTest : public ::testing::TestWithParam<FlipRoute> {};
+
+TEST_P(ChunkHeaderRaceTest, HeaderRewrittenBetweenReadsIsRefusedOrIgnored) {
+#ifndef SLIDEDP_FIELD_FLIP
+  GTEST_SKIP() << "FieldFlip needs x86-64 Linux without TSan";
+#else
+  struct Field {
+    const char* name;
+    size_t offset;
+    size_t size;
+    std::vector<uint64_t> bad;
+  };
+  const std::vector<Field> fields = {
+      {"offset_elements", offsetof(shm::ChunkSlot, offset_elements), 8, {1, uint64_t{1} << 40}},
+      {"numel", offsetof(shm::ChunkSlot, numel), 8, {1536, FlipRig::kNumel, uint64_t{1} << 40}},
+      {"layer", offsetof(shm::ChunkSlot, layer), 4, {1, 0x7fffffff}},
+  };
+  const FlipRoute& rc = GetParam();
+  int scenarios = 0, refused = 0, ignored = 0;
+  {
+    // The unchanged step's result.
+    uint64_t expected = 0;
+    {
+      FlipRig rig(rc.route, rc.granularity);
+      rig.PushStep();
+      rig.Poll();
+      ASSERT_TRUE(rig.Finish());
+      ASSERT_TRUE(rig.errors.empty()) << rig.errors[0];
+      expected = rig.state->LayerChecksum(0);
+      ASSERT_NE(expected, rig.initial);
+    }
+    for (uint32_t rank = 0; rank < (rc.route == FlipRig::Route::kGpu ? 1u : 2u); ++rank) {
+      for (uint32_t seq = 0; seq < FlipRig::ChunksOfRank(rc.route, rank); ++seq) {
+        for (const Field& f : fields) {
+          // How often the reducer touches the field of this chunk in an unchanged run.
+          int accesses = 0;
+          {
+            FlipRig rig(rc.route, rc.granularity);
+            rig.PushStep();
+            char* field = reinterpret_cast<char*>(&rig.state->chunk_slot(rank, seq)) + f.offset;
+            ASSERT_TRUE(FieldFlip::Arm(field, f.size, 0, std::numeric_limits<int>::max()));
+            rig.Poll();
+            FieldFlip::Disarm();
+            accesses = FieldFlip::accesses();
+            ASSERT_TRUE(rig.Finish());
+            ASSERT_TRUE(rig.errors.empty()) << rig.errors[0];
+            ASSERT_EQ(rig.state->LayerChecksum(0), expected);
+          }
+          ASSERT_GE(accesses, 1) << f.name << " of rank " << rank << " chunk " << seq;
+          for (uint64_t bad : f.bad) {
+            for (int after = 0; after <= accesses; ++after) {
+              SCOPED_TRACE(absl::StrCat(f.name, " of rank ", rank, " chunk ", seq, " set to ", bad,
+                                        " after access ", after, " of ", accesses));
+              FlipRig rig(rc.route, rc.granularity);
+              rig.PushStep();
+              char* field = reinterpret_cast<char*>(&rig.state->chunk_slot(rank, seq)) + f.offset;
+              ASSERT_TRUE(FieldFlip::Arm(field, f.size, bad, after));
+              rig.Poll();
+              FieldFlip::Disarm();
+              ASSERT_TRUE(FieldFlip::flipped());
+              ASSERT_TRUE(rig.Finish());
+              ++scenarios;
+              if (rig.errors.empty()) {
+                ++ignored;
+                EXPECT_EQ(rig.state->committed_version(0), FlipRig::kStep);
+                EXPECT_EQ(rig.state->LayerChecksum(0), expected) << "a rewritten header was used";
+              } else {
+                // The abort seals the layer untouched; a streamed layer may have had validated
+                // chunks written before the refused one: then it is torn, never published.
+                ++refused;
+                if (rc.granularity == Granularity::kLayer || rig.worker->TornLayers().empty()) {
+                  EXPECT_EQ(rig.state->LayerChecksum(0), rig.initial);
+                } else {
+                  EXPECT_NE(rig.state->layer_control(0).pending_version,
+                            rig.state->committed_version(0));
+                }
+              }
+            }
+          }
+        }
+      }
+    }
+  }
+  // Both outcomes occur: a rewrite before the reducer's read is refused, one after it ignored.
+  EXPECT_GT(refused, 0);
+  EXPECT_GT(ignored, 0);
+  std::printf("%s: %d rewrites: %d refused, %d ignored\n", rc.name, scenarios, refused, ignored);
+#endif
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Routes, ChunkHeaderRaceTest,
+    ::testing::Values(FlipRoute{"Sum", FlipRig::Route::kSum, Granularity::kLayer},
+                      FlipRoute{"ShardsBuffered", FlipRig::Route::kShards, Granularity::kLayer},
+                      FlipRoute{"ShardsStreamed", FlipRig::Route::kShards, Granularity::kAuto},
+                      FlipRoute{"GpuStreamed", FlipRig::Route::kGpu, Granularity::kAuto}),
+    [](const auto& info) { return std::string(info.param.name); });
 
 }  // namespace
 }  // namespace slidedp::hostd

@@ -4,7 +4,8 @@
 Phase A: hostd (--model none, R=2, checkpoint.every_steps 4, keep_last 3, on_stop) and 2
 native_trainer ranks train 10 steps; the checkpoints of steps 4 and 8 are written while the
 following steps run. SIGTERM then writes the final checkpoint (step 10) before the segments go.
-Phase B: a new hostd resumes from step-4 (the step directory) with R=1 and trains to step 16.
+Phase B: a new hostd (another instance) resumes from step 4's step directory with R=1 and
+trains to step 16.
 Phase C: a new hostd resumes from the directory (its newest committed checkpoint: step 10) with
 R=4 and trains to step 16.
 Each final state (every layer's xxh64 of master, m, v and params) must equal native_reference's
@@ -13,6 +14,9 @@ and the fetches of the resumed steps must see version t-1 from the first resumed
 Bad input: resuming from a checkpoint with a flipped byte, with another model, or from a
 directory without a committed checkpoint fails at start with a message naming the file / both
 manifest hashes / the directory, and leaves no segment behind.
+Two instances sharing the checkpoint directory (issue #17) keep each their own checkpoints; a
+resume from the directory must then name a step directory (the error lists both jobs), and a
+step directory of the other instance resumes.
 
 Usage: checkpoint_resume_test.py HOSTD SLIDEDPCTL NATIVE_TRAINER NATIVE_REFERENCE
 Python standard library only.
@@ -156,6 +160,7 @@ class CheckpointResumeTest(unittest.TestCase):
         t0 = time.time()
         # Phase A: R=2, checkpoints of steps 4 and 8 while training continues, 10 on stop.
         proc, socket, instance, log = self.start_hostd(2, "--checkpoint.every_steps", "4")
+        instance_a = instance
         self.train(socket, 2, 10, "A")
         layers_a = json.loads(self.ctl(socket, "layers", "--json", "--checksums"))
         # Steps 4 and 8 are due; a checkpoint still in flight when the next is due makes hostd
@@ -186,7 +191,7 @@ class CheckpointResumeTest(unittest.TestCase):
         self.assertIn(steps, ([10, 8, 4], [10, 4]), listing)
 
         # Phase B: resume the step-4 directory itself with one rank, to step 16.
-        step4 = os.path.join(self.ckpt, "step-%012d" % 4)
+        step4 = os.path.join(self.ckpt, "step-%012d.%s.default" % (4, instance_a))
         proc, socket, instance, log = self.start_hostd(1, "--resume", step4,
                                                        "--checkpoint.on_stop", "false")
         status = json.loads(self.ctl(socket, "status", "--json"))
@@ -224,7 +229,7 @@ class CheckpointResumeTest(unittest.TestCase):
         proc, socket, instance, log = self.start_hostd(1, "--checkpoint.every_steps", "2")
         self.train(socket, 1, 2, "bad")
         self.stop(proc, instance, log)
-        step2 = os.path.join(self.ckpt, "step-%012d" % 2)
+        step2 = os.path.join(self.ckpt, "step-%012d.%s.default" % (2, instance))
         self.assertTrue(os.path.exists(os.path.join(step2, "COMMITTED")))
 
         # Another model: both manifest hashes are named.
@@ -250,6 +255,33 @@ class CheckpointResumeTest(unittest.TestCase):
         out = self.expect_start_failure(1, "--resume", self.ckpt)
         self.assertIn("no committed checkpoint", out)
         self.assertIn("COMMITTED", out)
+
+    def test_instances_sharing_the_directory_keep_their_own(self):
+        # Two instances, one after the other, the same model and job id, keep_last 1: each
+        # keeps its step 4 (checkpoints of steps 2 and 4, the older one pruned).
+        instances = []
+        for tag in ("x", "y"):
+            proc, socket, instance, log = self.start_hostd(
+                1, "--checkpoint.every_steps", "2", "--checkpoint.keep_last", "1")
+            self.train(socket, 1, 4, tag)
+            self.stop(proc, instance, log)
+            instances.append(instance)
+        self.assertEqual(sorted(os.listdir(self.ckpt)),
+                         sorted("step-%012d.%s.default" % (4, i) for i in instances))
+        # The directory holds two jobs' checkpoints: a resume from it must say which.
+        out = self.expect_start_failure(1, "--resume", self.ckpt)
+        self.assertIn("holds the checkpoints of 2 jobs", out)
+        for i in instances:
+            self.assertIn(f"instance '{i}' job 'default'", out)
+        self.assertIn("name the step directory", out)
+        # Another instance's step directory, named: the job moves.
+        step4 = os.path.join(self.ckpt, "step-%012d.%s.default" % (4, instances[0]))
+        proc, socket, instance, log = self.start_hostd(1, "--resume", step4,
+                                                       "--checkpoint.on_stop", "false")
+        status = json.loads(self.ctl(socket, "status", "--json"))
+        self.assertEqual(int(status["job"]["step"]), 4, status["job"])
+        self.assertEqual(status["job"]["resumed_from"], step4)
+        self.stop(proc, instance, log)
 
 
 if __name__ == "__main__":

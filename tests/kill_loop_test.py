@@ -74,12 +74,13 @@ ADOPT_RE = re.compile(r"re-adopted job default at step (\d+)")
 FRESH_RE = re.compile(r"starting job default fresh at step 0")
 # hostd/engine.cc, after a restore (the recovery of an inconsistent state, or --resume).
 RESTORE_RE = re.compile(r"resumed from checkpoint (\S+) \(step (\d+),")
-# hostd/checkpoint_format.h: <dir>/step-<t zero-padded to 12>[.tmp]/, the commit marker
-# COMMITTED written last, holding "slidedp-checkpoint <format> step <t> meta_xxh64 <hex>".
-CKPT_DIR_RE = re.compile(r"^step-(\d+)(\.tmp)?$")
+# hostd/checkpoint_format.h: <dir>/step-<t zero-padded to 12>.<instance>.<job>[.tmp]/ (formats
+# 1 and 2: step-<t>[.tmp]/), the commit marker COMMITTED written last, holding
+# "slidedp-checkpoint <format> step <t> meta_xxh64 <hex>".
+CKPT_DIR_RE = re.compile(r"^step-(\d+)(?:\.[A-Za-z0-9_~-]+\.[A-Za-z0-9_~-]+)?(\.tmp)?$")
 CKPT_MARKER = "COMMITTED"
-# Formats 1 and 2 (hostd writes 2 since the 4096-byte header block).
-CKPT_MARKER_RE = re.compile(r"^slidedp-checkpoint [12] step (\d+) meta_xxh64 [0-9a-f]{1,16}\n$")
+# Formats 1 to 3 (hostd writes 3 since checkpoints name their instance and job).
+CKPT_MARKER_RE = re.compile(r"^slidedp-checkpoint [123] step (\d+) meta_xxh64 [0-9a-f]{1,16}\n$")
 CKPT_EVERY, CKPT_KEEP = 5, 2
 
 
@@ -347,7 +348,7 @@ class KillLoopTest(unittest.TestCase):
                 elif m.re is RESTORE_RE:
                     stats["restores_from_checkpoint"] += 1
                     c = int(m.group(2))
-                    want_path = os.path.join(h.ckpt_dir, f"step-{c:012d}")
+                    want_path = os.path.join(h.ckpt_dir, f"step-{c:012d}.{h.instance}.default")
                     if newest is None or c != newest or m.group(1) != want_path:
                         stats["committed_steps_lost"] += max(0, (newest or 0) - c)
                         problems.append(
@@ -493,7 +494,8 @@ class KillLoopTest(unittest.TestCase):
         self.assertIn("restore_checkpoint: mid-update or torn: layer 2 (pending version 5, "
                       "committed 4)", log)
         self.assertEqual([(m.group(1), m.group(2)) for m in RESTORE_RE.finditer(log)],
-                         [(os.path.join(h.ckpt_dir, "step-000000000004"), "4")])
+                         [(os.path.join(h.ckpt_dir, f"step-000000000004.{h.instance}.default"),
+                           "4")])
         self.assertNotRegex(log, ADOPT_RE)
         want = reference_checksums(2, 8, os.path.join(self.tmp, "ref.json"))
         for l in h.layers():

@@ -287,7 +287,8 @@ class PythonClientTest(unittest.TestCase):
         for k in range(5):  # the same job so far
             self.assertEqual(part[0][k]["loss"], full[0][k]["loss"], f"step {k + 1}")
         full_final = torch.load(full_dump)
-        for step_dir, tag, steps in ((os.path.join(ck, "step-000000000003"), "r3", 3),
+        step3 = os.path.join(ck, f"step-000000000003.py{os.getpid()}rc.default")  # instance, job
+        for step_dir, tag, steps in ((step3, "r3", 3),
                                      (ck, "r5", 1)):  # the directory: its newest, step 5
             sock, _, _ = self.start_hostd(d, 1, tag, ["--checkpoint.resume", step_dir])
             got, dump = self.run_ranks(sock, d, 1, tag, res, steps=steps)
