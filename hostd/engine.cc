@@ -1764,6 +1764,7 @@ absl::StatusOr<slidedp::v1::ExportHFResponse> Engine::ExportHF(
       return absl::FailedPreconditionError("another HF export is running; retry once it is done");
     }
     o.config_json = !r.config_json().empty() ? r.config_json() : state_->model().config_json;
+    o.job_id = job_->job_id();
     RETURN_IF_ERROR(ExportConfigJson(o.config_json, state_->model().manifest, o.dtype).status());
     export_active_ = true;
     auto boundary = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
