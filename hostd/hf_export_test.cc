@@ -14,6 +14,7 @@
 #include "absl/strings/str_format.h"
 #include "common/thread_pool.h"
 #include "gtest/gtest.h"
+#include "hostd/checkpoint_format.h"
 #include "hostd/engine.h"
 #include "hostd/safetensors.h"
 #include "hostd/state.h"
@@ -470,6 +471,7 @@ TEST(HfExportEngineTest, WaitsForTheStepBoundaryAndValidatesInput) {
   config.mlock = "best_effort";
   config.optimizer.set_lr(1e-3);
   config.routes.set_chunk_bytes(16 << 20);
+  config.output_roots = {tmp.path};
   auto created = Engine::Create(config);
   ASSERT_TRUE(created.ok()) << created.status();
   std::unique_ptr<Engine> engine = std::move(*created);
@@ -540,6 +542,87 @@ TEST(HfExportEngineTest, WaitsForTheStepBoundaryAndValidatesInput) {
   for (uint32_t l = 0; l < n; ++l) {
     ASSERT_TRUE(engine->WaitLayerVersion(l, 2, std::chrono::seconds(10)).ok());
   }
+  engine->Shutdown(/*remove_state=*/true);
+}
+
+// Engine::Checkpoint's dir and Engine::ExportHF's out_dir: absolute, and under checkpoint.dir (a
+// checkpoint) or output_roots, after resolving ".." and symlinks (issue #17).
+TEST(EngineOutputDirTest, RequestedDirsMustBeAbsoluteAndUnderTheRoots) {
+  TempDir tmp;
+  const std::string ckpt = tmp.path + "/ckpt";
+  const std::string root = tmp.path + "/root";
+  fs::create_directories(root);
+  fs::create_directories(tmp.path + "/outside");
+  fs::create_symlink(tmp.path + "/outside", root + "/link");
+  HostdConfig config;
+  config.instance = UniqueInstance("out-dirs");
+  config.socket = tmp.path + "/hostd.sock";
+  config.model = "tiny";
+  config.update_threads = 1;
+  config.mlock = "best_effort";
+  config.checkpoint.dir = ckpt;
+  config.checkpoint.prepare_snapshot_pool = false;
+  auto created = Engine::Create(config);
+  ASSERT_TRUE(created.ok()) << created.status();
+  std::unique_ptr<Engine> engine = std::move(*created);
+  auto checkpoint = [&](const std::string& dir) {
+    slidedp::v1::CheckpointRequest req;
+    req.set_dir(dir);
+    req.set_wait(true);
+    return engine->Checkpoint(req);
+  };
+  auto expect_refused = [](const absl::Status& st, absl::StatusCode code,
+                           const std::vector<std::string>& fragments) {
+    EXPECT_EQ(st.code(), code) << st;
+    for (const std::string& f : fragments) {
+      EXPECT_NE(st.message().find(f), std::string::npos) << "'" << f << "' not in: " << st;
+    }
+  };
+  // No output_roots: checkpoints go to checkpoint.dir or below it, exports nowhere.
+  expect_refused(checkpoint("rel/ckpt").status(), absl::StatusCode::kInvalidArgument,
+                 {"dir: expected an absolute path", "'rel/ckpt'"});
+  expect_refused(checkpoint(tmp.path + "/outside").status(), absl::StatusCode::kPermissionDenied,
+                 {"dir: '" + tmp.path + "/outside'", "checkpoint.dir ('" + ckpt + "')",
+                  "output_roots (none set)", "set output_roots"});
+  expect_refused(checkpoint(ckpt + "/../outside").status(), absl::StatusCode::kPermissionDenied,
+                 {"(resolved: '" + tmp.path + "/outside')"});
+  EXPECT_FALSE(fs::exists(tmp.path + "/outside/step-0"));
+  auto in_ckpt = checkpoint(ckpt + "/extra");
+  ASSERT_TRUE(in_ckpt.ok()) << in_ckpt.status();
+  EXPECT_EQ(in_ckpt->path(), ckpt + "/extra/" + CheckpointDirName(0));
+  slidedp::v1::ExportHFRequest ex;
+  ex.set_out_dir(root + "/export");
+  expect_refused(engine->ExportHF(ex).status(), absl::StatusCode::kPermissionDenied,
+                 {"out_dir: '" + root + "/export' is not below one of output_roots (none set)",
+                  "\"/\" allows any directory"});
+  ex.set_out_dir("relative/export");
+  expect_refused(engine->ExportHF(ex).status(), absl::StatusCode::kInvalidArgument,
+                 {"out_dir: expected an absolute path"});
+  engine->Shutdown(/*remove_state=*/true);
+  engine.reset();
+
+  // With a root: below it, and not out of it through ".." or a symlink.
+  config.instance = UniqueInstance("out-dirs");
+  config.output_roots = {root};
+  created = Engine::Create(config);
+  ASSERT_TRUE(created.ok()) << created.status();
+  engine = std::move(*created);
+  auto in_root = checkpoint(root + "/c");
+  ASSERT_TRUE(in_root.ok()) << in_root.status();
+  EXPECT_EQ(in_root->path(), root + "/c/" + CheckpointDirName(0));
+  expect_refused(checkpoint(root + "/link/c").status(), absl::StatusCode::kPermissionDenied,
+                 {"(resolved: '" + tmp.path + "/outside/c')", "(" + root + ")"});
+  ex.set_out_dir(root + "/export");
+  auto exported = engine->ExportHF(ex);
+  ASSERT_TRUE(exported.ok()) << exported.status();
+  EXPECT_TRUE(fs::exists(root + "/export/model.safetensors"));
+  for (const std::string& bad :
+       {root + "/../outside/x", root + "/link/x", root + "/link", root, tmp.path + "/rootx"}) {
+    ex.set_out_dir(bad);
+    expect_refused(engine->ExportHF(ex).status(), absl::StatusCode::kPermissionDenied,
+                   {"out_dir: '" + bad + "'", "output_roots (" + root + ")"});
+  }
+  EXPECT_TRUE(fs::is_empty(tmp.path + "/outside"));
   engine->Shutdown(/*remove_state=*/true);
 }
 
