@@ -1,13 +1,17 @@
 // End-to-end tests of slidedpctl's commands: RunCtl against FakeDaemon on a temp unix socket.
 #include "slidedpctl/ctl.h"
 
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/un.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <iostream>
+#include <limits>
 #include <optional>
 #include <sstream>
 #include <string>
@@ -17,11 +21,13 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "common/shm_segment.h"
 #include "common/version.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
 #include "slidedpctl/fake_control_service.h"
+#include "slidedpctl/machine.h"
 
 namespace slidedp::ctl {
 namespace {
@@ -431,6 +437,36 @@ TEST_F(CtlTest, StatsTableAndJson) {
   EXPECT_EQ(json["update_params_total"].get<uint64_t>(), 44'048'449'536u);
   EXPECT_DOUBLE_EQ(json["update_seconds_total"].get<double>(), 12.3456789);
   EXPECT_EQ(json["isa"], "avx512");
+}
+
+// estimate and doctor judge memlock as hostd does (common/shm_segment.h ReadHostMemoryInfo:
+// CAP_IPC_LOCK or an unlimited RLIMIT_MEMLOCK): with the capability (root) a small rlimit does
+// not make hostd's pinned memory TOO LARGE.
+TEST(CtlMachineTest, MemlockIsJudgedAsHostdJudgesIt) {
+  rlimit before{};
+  ASSERT_EQ(getrlimit(RLIMIT_MEMLOCK, &before), 0);
+  rlimit low = before;
+  low.rlim_cur = std::min<rlim_t>(64 << 10, before.rlim_max);
+  ASSERT_EQ(setrlimit(RLIMIT_MEMLOCK, &low), 0);
+  absl::StatusOr<HostMemoryInfo> hostd_view = ReadHostMemoryInfo();
+  const MachineInfo m = ProbeMachine();
+  const CtlResult r = Ctl({"estimate", "--model", "tiny", "--gpus", "1", "--batch", "1", "--seq",
+                           "8", "--gpu-memory", "80GiB", "--json"});
+  ASSERT_EQ(setrlimit(RLIMIT_MEMLOCK, &before), 0);
+  ASSERT_TRUE(hostd_view.ok()) << hostd_view.status();
+  const bool hostd_unlimited =
+      hostd_view->memlock_limit_bytes == std::numeric_limits<uint64_t>::max();
+  if (!hostd_unlimited) std::cout << "no CAP_IPC_LOCK here: the limited case is checked\n";
+  ASSERT_TRUE(m.have_memlock);
+  EXPECT_EQ(m.memlock_unlimited, hostd_unlimited);
+  EXPECT_EQ(m.memlock_by_capability, hostd_unlimited);  // the rlimit itself is 64 KiB
+  const Json estimate = Json::parse(r.out);
+  const Json& pinned = estimate["figures"]["pinned_bytes"];
+  EXPECT_GT(pinned["value"].get<uint64_t>(), uint64_t{64} << 10);
+  EXPECT_EQ(pinned["verdict"], hostd_unlimited ? "OK" : "TOO LARGE") << pinned.dump();
+  if (hostd_unlimited) {
+    EXPECT_THAT(pinned["against"].get<std::string>(), HasSubstr("CAP_IPC_LOCK"));
+  }
 }
 
 TEST(CtlUsageTest, UnknownSubcommandExits2) {
