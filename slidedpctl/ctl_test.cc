@@ -424,6 +424,71 @@ TEST_F(CtlTest, RanksTableAndJson) {
   EXPECT_EQ(json[1]["gpu"], -1);
 }
 
+// hostd answers one entry per slot of the world size; a slot no rank holds is no rank.
+TEST_F(CtlTest, RanksWithNoneAttachedPrintNoPhantomRow) {
+  daemon_.service().set_no_rank_attached(true);
+  const CtlResult r = Ctl(At({"ranks"}));
+  ASSERT_EQ(r.code, kExitOk) << r.err;
+  EXPECT_EQ(r.out, "no rank attached (world size 1)\n");
+  const CtlResult json_result = Ctl(At({"ranks", "--json"}));
+  ASSERT_EQ(json_result.code, kExitOk) << json_result.err;
+  EXPECT_EQ(Json::parse(json_result.out), Json::array()) << json_result.out;
+}
+
+// An export that outlives --export-timeout-s: the message names that deadline (not
+// --timeout-ms's) and says the export goes on in hostd; the exit code is its own.
+TEST_F(CtlTest, ExportTimeoutNamesTheDeadlineItHadAndSaysTheExportGoesOn) {
+  daemon_.service().set_operation_delay_ms(30'000);
+  const CtlResult r = Ctl(At({"export", "--out", "/tmp/x", "--export-timeout-s", "1"}));
+  EXPECT_EQ(r.code, kExitTimedOut) << r.err;
+  EXPECT_THAT(r.err, HasSubstr("slidedpctl: the export to /tmp/x did not finish within 1 s "
+                               "(--export-timeout-s 1); slidedpctl stopped waiting, but it goes "
+                               "on in hostd"));
+  EXPECT_THAT(r.err, ::testing::Not(HasSubstr("5000 ms")));
+  EXPECT_THAT(r.err, ::testing::Not(HasSubstr("cannot reach hostd")));
+  // The same for a checkpoint that is not committed within --wait-s.
+  const CtlResult c = Ctl(At({"checkpoint", "--wait-s", "1"}));
+  EXPECT_EQ(c.code, kExitTimedOut) << c.err;
+  EXPECT_THAT(c.err, HasSubstr("the checkpoint did not finish within 1 s (--wait-s 1)"));
+  // A query's own deadline is still "no answer" (exit 3), naming --timeout-ms's value.
+  daemon_.service().set_status_delay_ms(1000);
+  const CtlResult q = Ctl(At({"--timeout-ms", "300", "status"}));
+  EXPECT_EQ(q.code, kExitUnreachable);
+  EXPECT_THAT(q.err, HasSubstr("no answer to GetStatus within 300 ms"));
+}
+
+// hostd's own DEADLINE_EXCEEDED (the export waited 10 minutes for a step boundary) is its answer,
+// not "no answer": exit 4 with hostd's message.
+TEST_F(CtlTest, HostdsDeadlineExceededIsARejection) {
+  daemon_.service().set_export_status(grpc::Status(
+      grpc::StatusCode::DEADLINE_EXCEEDED,
+      "step 3 did not complete within 10 minutes; the export waits for a step boundary"));
+  const CtlResult r = Ctl(At({"export", "--out", "/tmp/x"}));
+  EXPECT_EQ(r.code, kExitRejected) << r.err;
+  EXPECT_THAT(r.err, HasSubstr("hostd rejected ExportHF: DEADLINE_EXCEEDED: step 3 did not "
+                               "complete within 10 minutes"));
+  EXPECT_THAT(r.err, ::testing::Not(HasSubstr("no answer")));
+}
+
+// hostd refuses relative directories (it has its own working directory): slidedpctl sends
+// --dir made absolute against its own.
+TEST_F(CtlTest, CheckpointDirIsSentAbsolute) {
+  const CtlResult r = Ctl(At({"checkpoint", "--dir", "rel/ckpt", "--json"}));
+  ASSERT_EQ(r.code, kExitOk) << r.err;
+  const std::string expected = (std::filesystem::current_path() / "rel/ckpt").string();
+  EXPECT_EQ(daemon_.service().last_checkpoint().dir(), expected);
+  EXPECT_EQ(Json::parse(r.out)["path"], expected + "/step-42");
+  ASSERT_EQ(Ctl(At({"checkpoint", "--dir", "/abs/ckpt"})).code, kExitOk);
+  EXPECT_EQ(daemon_.service().last_checkpoint().dir(), "/abs/ckpt");
+  ASSERT_EQ(Ctl(At({"checkpoint"})).code, kExitOk);
+  EXPECT_EQ(daemon_.service().last_checkpoint().dir(), "");  // hostd's checkpoint.dir
+  // export --out likewise (it did already).
+  ASSERT_EQ(Ctl(At({"export", "--out", "rel/out", "--overwrite"})).code, kExitOk);
+  EXPECT_EQ(daemon_.service().last_export().out_dir(),
+            (std::filesystem::current_path() / "rel/out").string());
+  EXPECT_TRUE(daemon_.service().last_export().overwrite());
+}
+
 TEST_F(CtlTest, StatsTableAndJson) {
   const CtlResult r = Ctl(At({"stats"}));
   ASSERT_EQ(r.code, kExitOk) << r.err;
@@ -530,8 +595,9 @@ TEST(CtlUsageTest, HelpExits0AndDocumentsExitCodes) {
   const CtlResult r = Ctl({"--help"});
   EXPECT_EQ(r.code, kExitOk);
   EXPECT_THAT(r.out, AllOf(HasSubstr("Exit codes:"), HasSubstr("3  hostd unreachable"),
-                           HasSubstr("4  hostd rejected"), HasSubstr("SLIDEDP_SOCKET"),
-                           HasSubstr("status"), HasSubstr("layers"), HasSubstr("--json")));
+                           HasSubstr("4  hostd rejected"), HasSubstr("6  export / checkpoint"),
+                           HasSubstr("SLIDEDP_SOCKET"), HasSubstr("status"), HasSubstr("layers"),
+                           HasSubstr("--json")));
   const CtlResult sub = Ctl({"layers", "--help"});
   EXPECT_EQ(sub.code, kExitOk);
   EXPECT_THAT(sub.out, HasSubstr("--job"));
