@@ -336,6 +336,19 @@ std::vector<KeyDescriptor> BuildKeys() {
                         &HostdConfig::listen_tcp));
   k.push_back(StringEnumKey("log_level", daemon, "Log verbosity.",
                             {"trace", "debug", "info", "warn", "error"}, &HostdConfig::log_level));
+  k.push_back(StringFnKey(
+      "output_roots", daemon,
+      "Comma-separated absolute directories under which a Checkpoint request's dir and an "
+      "ExportHF's out_dir (slidedpctl checkpoint --dir, export --out) may lie; a checkpoint may "
+      "also go to checkpoint.dir or below it. \"/\" allows any directory. Empty: exports are "
+      "refused and checkpoints go only to checkpoint.dir.",
+      [](const HostdConfig& c) { return absl::StrJoin(c.output_roots, ","); },
+      [](HostdConfig& c, std::string_view v) {
+        c.output_roots.clear();
+        for (absl::string_view root : absl::StrSplit(Av(v), ',', absl::SkipWhitespace())) {
+          c.output_roots.emplace_back(absl::StripAsciiWhitespace(root));
+        }
+      }));
 
   const std::string job = "Model and job";
   k.push_back(StringKey("model", job,
@@ -818,6 +831,14 @@ absl::Status Validate(const HostdConfig& c, const WhereFn& where) {
   if (!in_choices("isa", c.isa)) return fail("isa", not_one_of("isa", c.isa));
   if (!in_choices("update_granularity", c.update_granularity)) {
     return fail("update_granularity", not_one_of("update_granularity", c.update_granularity));
+  }
+  for (const std::string& root : c.output_roots) {
+    if (root.empty() || root.front() != '/') {
+      return fail("output_roots",
+                  absl::StrCat("'", root,
+                               "' is not an absolute directory; expected a comma-separated list "
+                               "of absolute directories (\"/\" allows any)"));
+    }
   }
   if (c.checkpoint.every_steps > 0 && c.checkpoint.dir.empty()) {
     return fail(

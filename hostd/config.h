@@ -57,6 +57,9 @@ struct HostdConfig {
   std::string shm_group;           // only with 0660
   std::string init = "auto";       // auto|random|zeros|PATH (hostd/hf_import.h)
   std::string log_level = "info";  // trace|debug|info|warn|error
+  // Absolute directories a Checkpoint request's dir and an ExportHF's out_dir may lie under
+  // (hostd/output_roots.h); "/" allows any. Key output_roots, comma-separated; default none.
+  std::vector<std::string> output_roots;
   uint32_t heartbeat_interval_ms = 500;
   uint32_t heartbeat_deadline_ms = 5000;
   // auto|layer|chunk: whether the GPU-reduction and reduce-scatter routes may update a layer

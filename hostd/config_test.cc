@@ -837,6 +837,7 @@ TEST(ConfigTest, KeyListAndEnvNames) {
                         "shm_group",
                         "init",
                         "log_level",
+                        "output_roots",
                         "heartbeat_interval_ms",
                         "heartbeat_deadline_ms",
                         "metrics.listen",
@@ -854,7 +855,7 @@ TEST(ConfigTest, KeyListAndEnvNames) {
                         "recovery_on_inconsistent"}) {
     EXPECT_NE(std::find(keys.begin(), keys.end(), k), keys.end()) << k;
   }
-  EXPECT_EQ(keys.size(), 49u);
+  EXPECT_EQ(keys.size(), 50u);
   EXPECT_EQ(ConfigEnvName("world_size"), "SLIDEDP_WORLD_SIZE");
   // A key of a TOML table: the dot becomes '_'.
   EXPECT_EQ(ConfigEnvName("metrics.listen"), "SLIDEDP_METRICS_LISTEN");
@@ -868,6 +869,22 @@ TEST(ConfigTest, ProcessEnvironmentKeepsSlidedpVariables) {
   EXPECT_EQ(env.count("NOT_SLIDEDP_CONFIG_TEST_VAR"), 0u);
   unsetenv("SLIDEDP_CONFIG_TEST_VAR");
   unsetenv("NOT_SLIDEDP_CONFIG_TEST_VAR");
+}
+
+// output_roots: comma-separated absolute directories (hostd/output_roots.h).
+TEST(ConfigTest, OutputRootsAreAListOfAbsoluteDirectories) {
+  EXPECT_TRUE(MustLoad({}).config.output_roots.empty());
+  const LoadedConfig c = MustLoad({"--output_roots", " /var/lib/slidedp , /scratch/exports,"});
+  EXPECT_EQ(c.config.output_roots,
+            (std::vector<std::string>{"/var/lib/slidedp", "/scratch/exports"}));
+  EXPECT_EQ(Entry(c, "output_roots").value, "/var/lib/slidedp,/scratch/exports");
+  EXPECT_EQ(MustLoad({}, {{"SLIDEDP_OUTPUT_ROOTS", "/"}}).config.output_roots,
+            std::vector<std::string>{"/"});
+  absl::StatusOr<LoadedConfig> bad = Load({"--output_roots", "/ok,relative/dir"});
+  ASSERT_FALSE(bad.ok());
+  EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(Msg(bad.status()), HasSubstr("output_roots"));
+  EXPECT_THAT(Msg(bad.status()), HasSubstr("'relative/dir' is not an absolute directory"));
 }
 
 }  // namespace

@@ -23,6 +23,7 @@
 #include "hostd/hf_import.h"
 #include "hostd/lr_schedule.h"
 #include "hostd/manifest.h"
+#include "hostd/output_roots.h"
 #include "hostd/recovery.h"
 #include "hostd/safetensors.h"
 #include "spdlog/spdlog.h"
@@ -549,10 +550,14 @@ absl::StatusOr<slidedp::v1::CheckpointResponse> Engine::Checkpoint(
   uint64_t step = 0;
   std::string dir;
   std::string path;
+  if (!r.dir().empty()) {
+    ASSIGN_OR_RETURN(dir,
+                     CheckCheckpointDir(r.dir(), config_.checkpoint.dir, config_.output_roots));
+  }
   {
     absl::MutexLock lock(&mu_);
     RETURN_IF_ERROR(CheckJob(r.job_id()));
-    dir = r.dir().empty() ? config_.checkpoint.dir : r.dir();
+    if (dir.empty()) dir = config_.checkpoint.dir;
     if (dir.empty()) {
       return absl::FailedPreconditionError(
           "dir: no checkpoint directory: start hostd with --checkpoint.dir DIR (or [checkpoint] "
@@ -1812,7 +1817,9 @@ absl::StatusOr<slidedp::v1::ExportHFResponse> Engine::ExportHF(
   o.isa = isa_;
   o.cancelled = [this] { return stopping_.load(); };
   // Fast checks before waiting for a step boundary.
-  ASSIGN_OR_RETURN(o.out_dir, CheckExportDestination(r.out_dir(), r.overwrite()));
+  ASSIGN_OR_RETURN(const std::string out_dir,
+                   CheckExportOutDir(r.out_dir(), config_.output_roots));
+  ASSIGN_OR_RETURN(o.out_dir, CheckExportDestination(out_dir, r.overwrite()));
   uint64_t version = 0;
   {
     absl::MutexLock lock(&mu_);
@@ -1821,6 +1828,7 @@ absl::StatusOr<slidedp::v1::ExportHFResponse> Engine::ExportHF(
       return absl::FailedPreconditionError("another HF export is running; retry once it is done");
     }
     o.config_json = !r.config_json().empty() ? r.config_json() : state_->model().config_json;
+    o.job_id = job_->job_id();
     RETURN_IF_ERROR(ExportConfigJson(o.config_json, state_->model().manifest, o.dtype).status());
     export_active_ = true;
     auto boundary = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {

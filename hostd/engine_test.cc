@@ -883,6 +883,7 @@ TEST_F(EngineTest, AStaleSessionClosingDoesNotDropTheNewAttachment) {
 // the export gave up after 10 minutes), and the export lands on the step boundary after it.
 TEST_F(EngineTest, ExportBetweenTheRanksBeginStepDoesNotStallTheStep) {
   config_.world_size = 2;
+  config_.output_roots = {dir_.string()};
   Start();
   const std::string t0 = Attach(0).attach_token();
   const std::string t1 = Attach(1).attach_token();

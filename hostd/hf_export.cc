@@ -8,15 +8,20 @@
 #include <algorithm>
 #include <chrono>
 #include <filesystem>
+#include <fstream>
 #include <memory>
+#include <optional>
+#include <sstream>
 #include <system_error>
 #include <utility>
 
 #include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
 #include "common/status_macros.h"
 #include "common/thread_pool.h"
+#include "common/version.h"
 #include "hostd/manifest.h"
 #include "hostd/state.h"
 #include "nlohmann/json.hpp"
@@ -178,6 +183,157 @@ std::string GenerationConfig(const ordered_json& config) {
   return any ? g.dump(2) + "\n" : std::string();
 }
 
+// A marker is a few hundred bytes; anything much larger is not one.
+constexpr size_t kMaxMarkerBytes = 1 << 20;
+// Entries named in one error message; the rest are counted.
+constexpr size_t kMaxNamedEntries = 12;
+
+std::string MarkerText(const HfExportOptions& o, uint64_t version,
+                       const std::vector<std::string>& files) {
+  ordered_json m = ordered_json::object();
+  m["written_by"] = "hostd";
+  m["hostd_version"] = kVersion;
+  m["job_id"] = o.job_id;
+  m["version"] = version;
+  m["dtype"] = o.dtype == ExportDtype::kFp32 ? "fp32" : "bf16";
+  m["files"] = files;
+  return m.dump(2) + "\n";
+}
+
+bool PlainName(const std::string& name) {
+  return !name.empty() && name != "." && name != ".." && name.find('/') == std::string::npos &&
+         name != kExportMarkerFile;
+}
+
+// The files a marker lists, or why it is not a marker.
+absl::StatusOr<std::vector<std::string>> ReadMarker(const std::string& path) {
+  std::error_code ec;
+  const fs::file_status st = fs::symlink_status(path, ec);
+  if (!fs::is_regular_file(st)) return absl::NotFoundError("not a regular file");
+  if (fs::file_size(path, ec) > kMaxMarkerBytes || ec) {
+    return absl::InvalidArgumentError("too large");
+  }
+  std::ifstream f(path);
+  std::stringstream text;
+  text << f.rdbuf();
+  if (!f) return absl::InvalidArgumentError("unreadable");
+  const nlohmann::json m = nlohmann::json::parse(text.str(), nullptr, /*allow_exceptions=*/false);
+  if (!m.is_object()) return absl::InvalidArgumentError("not a JSON object");
+  auto by = m.find("written_by");
+  if (by == m.end() || *by != "hostd") {
+    return absl::InvalidArgumentError("written_by is not \"hostd\"");
+  }
+  auto files = m.find("files");
+  if (files == m.end() || !files->is_array()) {
+    return absl::InvalidArgumentError("no \"files\" array");
+  }
+  std::vector<std::string> names;
+  for (const auto& f : *files) {
+    if (!f.is_string() || !PlainName(f.get<std::string>())) {
+      return absl::InvalidArgumentError("\"files\" holds something other than file names");
+    }
+    names.push_back(f.get<std::string>());
+  }
+  return names;
+}
+
+struct DirContents {
+  std::vector<std::string> own;  // the listed regular files present, then the marker
+  // Everything else: "name/" for a directory, "name (symlink)", an invalid marker with why.
+  std::vector<std::string> foreign;
+};
+
+absl::StatusOr<DirContents> InspectDir(const std::string& dir) {
+  std::vector<std::string> names;
+  std::error_code ec;
+  for (fs::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
+    names.push_back(it->path().filename().string());
+  }
+  if (ec) return ErrnoAt("read the directory", dir, ec.value());
+  std::sort(names.begin(), names.end());
+  DirContents c;
+  const bool has_marker = std::find(names.begin(), names.end(), kExportMarkerFile) != names.end();
+  std::vector<std::string> listed;
+  std::string marker_problem;
+  if (has_marker) {
+    absl::StatusOr<std::vector<std::string>> files =
+        ReadMarker(absl::StrCat(dir, "/", std::string(kExportMarkerFile)));
+    if (files.ok()) {
+      listed = *std::move(files);
+    } else {
+      marker_problem = std::string(files.status().message());
+    }
+  }
+  const bool valid = has_marker && marker_problem.empty();
+  for (const std::string& name : names) {
+    const fs::file_status st = fs::symlink_status(fs::path(dir) / name, ec);
+    if (name == kExportMarkerFile) {
+      if (!valid) {
+        c.foreign.push_back(
+            absl::StrCat(name, " (not a valid export marker: ", marker_problem, ")"));
+      }
+      continue;
+    }
+    if (valid && fs::is_regular_file(st) &&
+        std::find(listed.begin(), listed.end(), name) != listed.end()) {
+      c.own.push_back(name);
+    } else if (fs::is_symlink(st)) {
+      c.foreign.push_back(absl::StrCat(name, " (symlink)"));
+    } else if (fs::is_directory(st)) {
+      c.foreign.push_back(absl::StrCat(name, "/"));
+    } else {
+      c.foreign.push_back(name);
+    }
+  }
+  if (valid) c.own.push_back(std::string(kExportMarkerFile));
+  return c;
+}
+
+std::string NameEntries(const std::vector<std::string>& entries) {
+  if (entries.size() <= kMaxNamedEntries) return absl::StrJoin(entries, ", ");
+  return absl::StrCat(absl::StrJoin(entries.begin(), entries.begin() + kMaxNamedEntries, ", "),
+                      " and ", entries.size() - kMaxNamedEntries, " more");
+}
+
+absl::Status NotHostds(absl::string_view role, const std::string& dir,
+                       const std::vector<std::string>& foreign, absl::string_view remedy) {
+  return absl::FailedPreconditionError(absl::StrCat(
+      "out_dir: ", role, dir, " holds entries hostd did not write: ", NameEntries(foreign),
+      "; hostd replaces or removes only an empty directory or an earlier export of its own (",
+      std::string(kExportMarkerFile), " and only the files it lists), never anything else; ",
+      remedy));
+}
+
+// Unlinks `names` inside `dir` (each may be missing), then removes `dir` itself: what another
+// process put there meanwhile stays, and so does `dir` (ENOTEMPTY).
+absl::Status RemoveOwn(const std::string& dir, const std::vector<std::string>& names) {
+  for (const std::string& name : names) {
+    const std::string path = absl::StrCat(dir, "/", name);
+    if (unlink(path.c_str()) != 0 && errno != ENOENT) return ErrnoAt("unlink", path);
+  }
+  if (rmdir(dir.c_str()) != 0) return ErrnoAt("rmdir", dir);
+  return absl::OkStatus();
+}
+
+// Checks "<out>.tmp": absent, or a directory that is empty or an unfinished export of hostd.
+absl::StatusOr<std::optional<DirContents>> CheckLeftoverTmp(const std::string& tmp) {
+  std::error_code ec;
+  const fs::file_status st = fs::symlink_status(tmp, ec);
+  if (!fs::exists(st)) return std::nullopt;
+  if (!fs::is_directory(st)) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "out_dir: ", tmp,
+        " exists and is not a directory (hostd stages an export there); remove it or choose "
+        "another out_dir"));
+  }
+  ASSIGN_OR_RETURN(DirContents c, InspectDir(tmp));
+  if (!c.foreign.empty()) {
+    return NotHostds("the staging directory ", tmp, c.foreign,
+                     "move them away or choose another out_dir");
+  }
+  return c;
+}
+
 }  // namespace
 
 std::vector<ExportShard> PlanExportShards(const slidedp::v1::ModelManifest& manifest,
@@ -258,13 +414,20 @@ absl::StatusOr<std::string> CheckExportDestination(const std::string& out_dir, b
       return absl::FailedPreconditionError(
           absl::StrCat("out_dir: ", p.string(), " exists and is not a directory"));
     }
-    if (!overwrite && !fs::is_empty(p, ec)) {
-      return absl::AlreadyExistsError(absl::StrCat(
-          "out_dir: ", p.string(),
-          " exists and is not empty; choose another directory or pass overwrite (slidedpctl "
-          "export --overwrite) to replace it"));
+    if (!fs::is_empty(p, ec)) {
+      if (!overwrite) {
+        return absl::AlreadyExistsError(absl::StrCat(
+            "out_dir: ", p.string(),
+            " exists and is not empty; choose another directory or pass overwrite (slidedpctl "
+            "export --overwrite) to replace an earlier export"));
+      }
+      ASSIGN_OR_RETURN(const DirContents c, InspectDir(p.string()));
+      if (!c.foreign.empty()) {
+        return NotHostds("", p.string(), c.foreign, "move them away or choose another directory");
+      }
     }
   }
+  RETURN_IF_ERROR(CheckLeftoverTmp(p.string() + ".tmp").status());
   return p.string();
 }
 
@@ -276,32 +439,37 @@ absl::StatusOr<HfExportResult> ExportHf(const TrainingState& state, const HfExpo
   ASSIGN_OR_RETURN(const std::string config_text,
                    ExportConfigJson(o.config_json, manifest, o.dtype));
   const std::string tmp = out + ".tmp";
-  std::error_code ec;
-  if (fs::exists(fs::symlink_status(tmp, ec))) {
-    if (!fs::is_directory(fs::symlink_status(tmp, ec)) ||
-        !fs::exists(fs::path(tmp) / kExportMarkerFile, ec)) {
-      return absl::FailedPreconditionError(
-          absl::StrCat("out_dir: ", tmp,
-                       " exists and is not an unfinished export of hostd; remove it or choose "
-                       "another out_dir"));
-    }
-    fs::remove_all(tmp, ec);
-    if (ec) return ErrnoAt("remove the unfinished export", tmp, ec.value());
+  // An unfinished export's leftover: only what its marker lists goes.
+  ASSIGN_OR_RETURN(std::optional<DirContents> leftover, CheckLeftoverTmp(tmp));
+  if (leftover) {
+    RETURN_IF_ERROR(Annotate(RemoveOwn(tmp, leftover->own), "remove the unfinished export"));
   }
+
+  const std::vector<ExportShard> shards = PlanExportShards(manifest, o.dtype, o.max_shard_bytes);
+  const std::string generation =
+      GenerationConfig(ordered_json::parse(o.config_json.begin(), o.config_json.end()));
+  std::vector<std::string> planned;
+  for (const ExportShard& shard : shards) planned.push_back(shard.file);
+  if (shards.size() > 1) planned.push_back("model.safetensors.index.json");
+  planned.push_back("config.json");
+  if (!generation.empty()) planned.push_back("generation_config.json");
+  const uint64_t version = state.num_layers() > 0 ? state.committed_version(0) : 0;
+
   if (mkdir(tmp.c_str(), 0755) != 0) return ErrnoAt("mkdir", tmp);
+  // What tmp holds that hostd wrote, removed on failure: this export's files until the rename,
+  // the old out_dir's after a swap.
+  std::vector<std::string> remove_at_tmp = planned;
+  remove_at_tmp.push_back(std::string(kExportMarkerFile));
   bool keep = false;
   absl::Cleanup remove_tmp = [&] {
-    if (!keep) {
-      std::error_code ignored;
-      fs::remove_all(tmp, ignored);
-    }
+    if (!keep) RemoveOwn(tmp, remove_at_tmp).IgnoreError();
   };
-  const std::string marker = absl::StrCat(tmp, "/", std::string(kExportMarkerFile));
-  RETURN_IF_ERROR(WriteTextFile(marker, "hostd is writing this export\n"));
+  // The marker first: whatever a crash leaves in tmp, the marker covers it.
+  RETURN_IF_ERROR(WriteTextFile(absl::StrCat(tmp, "/", std::string(kExportMarkerFile)),
+                                MarkerText(o, version, planned)));
 
   HfExportResult result;
   result.out_dir = out;
-  const std::vector<ExportShard> shards = PlanExportShards(manifest, o.dtype, o.max_shard_bytes);
   std::vector<uint16_t> buffer;
   if (o.dtype == ExportDtype::kBf16) buffer.resize(kExportBufferBytes / 2);
   ordered_json weight_map = ordered_json::object();
@@ -334,23 +502,31 @@ absl::StatusOr<HfExportResult> ExportHf(const TrainingState& state, const HfExpo
   }
   RETURN_IF_ERROR(WriteTextFile(absl::StrCat(tmp, "/config.json"), config_text));
   result.files.push_back("config.json");
-  const std::string generation =
-      GenerationConfig(ordered_json::parse(o.config_json.begin(), o.config_json.end()));
   if (!generation.empty()) {
     RETURN_IF_ERROR(WriteTextFile(absl::StrCat(tmp, "/generation_config.json"), generation));
     result.files.push_back("generation_config.json");
   }
-  if (unlink(marker.c_str()) != 0) return ErrnoAt("unlink", marker);
   RETURN_IF_ERROR(FsyncPath(tmp, /*directory=*/true));
 
-  // rename(2) replaces an empty directory; a non-empty one (overwrite) is swapped atomically and
-  // the old content, now at tmp, removed.
+  // rename(2) replaces an empty directory; a non-empty one (overwrite: an earlier export of
+  // hostd, checked above) is swapped atomically, then its files, now at tmp, removed.
+  std::error_code ec;
   const bool exists = fs::exists(fs::symlink_status(out, ec));
   if (exists && !fs::is_empty(out, ec)) {
     if (renameat2(AT_FDCWD, tmp.c_str(), AT_FDCWD, out.c_str(), RENAME_EXCHANGE) != 0) {
       return ErrnoAt(absl::StrCat("rename ", tmp, " to"), out);
     }
-    keep = false;  // tmp now holds the old out_dir
+    // Judge what was swapped out again: something may have been put there since the check.
+    absl::StatusOr<DirContents> old = InspectDir(tmp);
+    if (!old.ok() || !old->foreign.empty()) {
+      if (renameat2(AT_FDCWD, tmp.c_str(), AT_FDCWD, out.c_str(), RENAME_EXCHANGE) != 0) {
+        keep = true;  // tmp holds the old out_dir: leave it
+        return ErrnoAt(absl::StrCat("swap back ", tmp, " and"), out);
+      }
+      if (!old.ok()) return old.status();
+      return NotHostds("", out, old->foreign, "move them away or choose another directory");
+    }
+    remove_at_tmp = old->own;
   } else {
     if (rename(tmp.c_str(), out.c_str()) != 0) {
       return ErrnoAt(absl::StrCat("rename ", tmp, " to"), out);

@@ -14,6 +14,7 @@
 #include "absl/strings/str_format.h"
 #include "common/thread_pool.h"
 #include "gtest/gtest.h"
+#include "hostd/checkpoint_format.h"
 #include "hostd/engine.h"
 #include "hostd/safetensors.h"
 #include "hostd/state.h"
@@ -111,8 +112,16 @@ TEST(HfExportTest, Fp32SingleFileIsTheMasterBitForBit) {
   auto r = ExportHf(*s, o, nullptr);
   ASSERT_TRUE(r.ok()) << r.status();
   EXPECT_EQ(r->files, (std::vector<std::string>{"model.safetensors", "config.json"}));
-  EXPECT_EQ(Listing(o.out_dir), (std::set<std::string>{"model.safetensors", "config.json"}));
+  EXPECT_EQ(Listing(o.out_dir), (std::set<std::string>{"model.safetensors", "config.json",
+                                                       std::string(kExportMarkerFile)}));
   EXPECT_FALSE(fs::exists(o.out_dir + ".tmp"));
+  // The marker names hostd, the version and the files.
+  const json marker = json::parse(ReadText(o.out_dir + "/" + std::string(kExportMarkerFile)));
+  EXPECT_EQ(marker.at("written_by"), "hostd");
+  EXPECT_EQ(marker.at("version"), 0);
+  EXPECT_EQ(marker.at("dtype"), "fp32");
+  EXPECT_EQ(marker.at("files"), json(r->files));
+  EXPECT_FALSE(marker.at("hostd_version").get<std::string>().empty());
   EXPECT_EQ(r->tensor_bytes, s->total_params() * 4);
   CheckTensors(*s, o.out_dir, SafetensorsDtype::kF32, [&](uint32_t l, uint64_t off) {
     return static_cast<const void*>(s->master(l) + off);
@@ -211,8 +220,13 @@ TEST(HfExportTest, BadDestinationsAndConfigs) {
   EXPECT_TRUE(fs::exists(tmp.path + "/full/keep.txt"));
   // A "<out>.tmp" that is not an unfinished export is never removed.
   fs::create_directory(tmp.path + "/x.tmp");
-  expect(tmp.path + "/x", absl::StatusCode::kFailedPrecondition, "not an unfinished export");
-  EXPECT_TRUE(fs::exists(tmp.path + "/x.tmp"));
+  { std::ofstream(tmp.path + "/x.tmp/mine.txt") << "user data"; }
+  expect(tmp.path + "/x", absl::StatusCode::kFailedPrecondition,
+         tmp.path + "/x.tmp holds entries hostd did not write: mine.txt");
+  EXPECT_EQ(ReadText(tmp.path + "/x.tmp/mine.txt"), "user data");
+  { std::ofstream(tmp.path + "/w.tmp") << "a file"; }
+  expect(tmp.path + "/w", absl::StatusCode::kFailedPrecondition, "exists and is not a directory");
+  EXPECT_TRUE(fs::exists(tmp.path + "/w.tmp"));
   // The config must describe this model.
   auto other = LoadModel("tiny-tied");
   ASSERT_TRUE(other.ok());
@@ -238,26 +252,100 @@ TEST(HfExportTest, BadDestinationsAndConfigs) {
   }
 }
 
-TEST(HfExportTest, OverwriteReplacesAndLeftoverTmpIsRemoved) {
+// Writes a marker as an export of hostd does, listing `files`.
+void WriteMarker(const std::string& dir, const std::vector<std::string>& files) {
+  std::ofstream(dir + "/" + std::string(kExportMarkerFile))
+      << json{{"written_by", "hostd"}, {"version", 1}, {"files", files}}.dump();
+}
+
+// --overwrite replaces an earlier export of hostd, and only that: a directory that holds anything
+// else is refused, naming it, and keeps every entry (issue #17: "--out /var/lib/slidedp
+// --overwrite" removed every checkpoint).
+TEST(HfExportTest, OverwriteReplacesOnlyAnEarlierExportOfHostd) {
   auto s = MakeState("tiny");
   ASSERT_NE(s, nullptr);
   TempDir tmp;
   const std::string out = tmp.path + "/out";
-  fs::create_directory(out);
-  { std::ofstream(out + "/old.txt") << "old"; }
-  // An unfinished export (marker present) is removed by the next one.
-  fs::create_directory(out + ".tmp");
-  { std::ofstream(out + ".tmp/" + std::string(kExportMarkerFile)) << ""; }
-  { std::ofstream(out + ".tmp/model-00001-of-00002.safetensors") << "partial"; }
   HfExportOptions o;
   o.out_dir = out;
-  o.overwrite = true;
   o.dtype = ExportDtype::kFp32;
   o.config_json = s->model().config_json;
   auto r = ExportHf(*s, o, nullptr);
   ASSERT_TRUE(r.ok()) << r.status();
-  EXPECT_EQ(Listing(out), (std::set<std::string>{"model.safetensors", "config.json"}));
+  // An earlier export (BF16, sharded) is replaced.
+  o.overwrite = true;
+  o.dtype = ExportDtype::kBf16;
+  o.max_shard_bytes = 40000;
+  r = ExportHf(*s, o, nullptr);
+  ASSERT_TRUE(r.ok()) << r.status();
+  std::set<std::string> expected(r->files.begin(), r->files.end());
+  expected.insert(std::string(kExportMarkerFile));
+  EXPECT_EQ(Listing(out), expected);
+  EXPECT_FALSE(fs::exists(out + "/model.safetensors"));
   EXPECT_FALSE(fs::exists(out + ".tmp"));
+  // ...and back to one file.
+  o.dtype = ExportDtype::kFp32;
+  o.max_shard_bytes = 0;
+  r = ExportHf(*s, o, nullptr);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(Listing(out), (std::set<std::string>{"model.safetensors", "config.json",
+                                                 std::string(kExportMarkerFile)}));
+
+  // An export with a file of someone else's, a sub-directory and a symlink under a listed name.
+  { std::ofstream(out + "/notes.txt") << "mine"; }
+  fs::create_directory(out + "/data");
+  { std::ofstream(out + "/data/keep.bin") << "mine too"; }
+  auto refused = ExportHf(*s, o, nullptr);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kFailedPrecondition) << refused.status();
+  EXPECT_NE(
+      refused.status().message().find(absl::StrCat("out_dir: ", out,
+                                                   " holds entries hostd did not write: data/, "
+                                                   "notes.txt")),
+      std::string::npos)
+      << refused.status();
+  EXPECT_EQ(ReadText(out + "/notes.txt"), "mine");
+  EXPECT_EQ(ReadText(out + "/data/keep.bin"), "mine too");
+  EXPECT_TRUE(fs::exists(out + "/model.safetensors"));
+  EXPECT_FALSE(fs::exists(out + ".tmp"));
+
+  // A directory of checkpoints (no marker) is refused: nothing in it is hostd's export.
+  const std::string ckpt = tmp.path + "/ckpt";
+  fs::create_directories(ckpt + "/step-5");
+  { std::ofstream(ckpt + "/step-5/COMMITTED") << "x"; }
+  { std::ofstream(ckpt + "/config.json") << "{}"; }
+  o.out_dir = ckpt;
+  refused = ExportHf(*s, o, nullptr);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kFailedPrecondition) << refused.status();
+  EXPECT_NE(refused.status().message().find("config.json, step-5/"), std::string::npos)
+      << refused.status();
+  EXPECT_TRUE(fs::exists(ckpt + "/step-5/COMMITTED"));
+  EXPECT_EQ(ReadText(ckpt + "/config.json"), "{}");
+
+  // A marker naming a file that is a symlink (or a directory) does not make it hostd's.
+  const std::string linked = tmp.path + "/linked";
+  fs::create_directory(linked);
+  { std::ofstream(tmp.path + "/precious") << "precious"; }
+  fs::create_symlink(tmp.path + "/precious", linked + "/model.safetensors");
+  WriteMarker(linked, {"model.safetensors", "config.json"});
+  o.out_dir = linked;
+  refused = ExportHf(*s, o, nullptr);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kFailedPrecondition) << refused.status();
+  EXPECT_NE(refused.status().message().find("model.safetensors (symlink)"), std::string::npos)
+      << refused.status();
+  EXPECT_EQ(ReadText(tmp.path + "/precious"), "precious");
+  // A marker that is not hostd's JSON: every entry is foreign.
+  const std::string forged = tmp.path + "/forged";
+  fs::create_directory(forged);
+  std::ofstream(forged + "/" + std::string(kExportMarkerFile)) << "not json";
+  { std::ofstream(forged + "/config.json") << "{}"; }
+  o.out_dir = forged;
+  refused = ExportHf(*s, o, nullptr);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kFailedPrecondition) << refused.status();
+  EXPECT_NE(refused.status().message().find("(not a valid export marker"), std::string::npos)
+      << refused.status();
+  EXPECT_TRUE(fs::exists(forged + "/config.json"));
+
   // An empty out_dir is used without overwrite.
   fs::create_directory(tmp.path + "/empty");
   o.out_dir = tmp.path + "/empty";
@@ -265,6 +353,89 @@ TEST(HfExportTest, OverwriteReplacesAndLeftoverTmpIsRemoved) {
   r = ExportHf(*s, o, nullptr);
   ASSERT_TRUE(r.ok()) << r.status();
   EXPECT_TRUE(fs::exists(tmp.path + "/empty/model.safetensors"));
+}
+
+// A crashed export's "<out>.tmp": what its marker lists is removed, anything else is not.
+TEST(HfExportTest, LeftoverTmpLosesOnlyWhatItsMarkerLists) {
+  auto s = MakeState("tiny");
+  ASSERT_NE(s, nullptr);
+  TempDir tmp;
+  const std::string out = tmp.path + "/out";
+  HfExportOptions o;
+  o.out_dir = out;
+  o.dtype = ExportDtype::kFp32;
+  o.config_json = s->model().config_json;
+  // Left by a crash in the middle of the second shard.
+  fs::create_directory(out + ".tmp");
+  WriteMarker(out + ".tmp", {"model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors",
+                             "config.json"});
+  { std::ofstream(out + ".tmp/model-00001-of-00002.safetensors") << "complete"; }
+  { std::ofstream(out + ".tmp/model-00002-of-00002.safetensors") << "partial"; }
+  auto r = ExportHf(*s, o, nullptr);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_FALSE(fs::exists(out + ".tmp"));
+  EXPECT_TRUE(fs::exists(out + "/model.safetensors"));
+
+  // The same leftover with a file someone put there: refused, and all of it stays.
+  const std::string out2 = tmp.path + "/out2";
+  o.out_dir = out2;
+  fs::create_directory(out2 + ".tmp");
+  WriteMarker(out2 + ".tmp", {"model.safetensors", "config.json"});
+  { std::ofstream(out2 + ".tmp/model.safetensors") << "partial"; }
+  { std::ofstream(out2 + ".tmp/user.txt") << "not hostd's"; }
+  auto refused = ExportHf(*s, o, nullptr);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kFailedPrecondition) << refused.status();
+  EXPECT_NE(refused.status().message().find(out2 + ".tmp holds entries hostd did not write: "
+                                                   "user.txt"),
+            std::string::npos)
+      << refused.status();
+  EXPECT_EQ(Listing(out2 + ".tmp"), (std::set<std::string>{std::string(kExportMarkerFile),
+                                                           "model.safetensors", "user.txt"}));
+  EXPECT_FALSE(fs::exists(out2));
+}
+
+// What appears in the export's own directories while it runs is not hostd's either: a failed
+// export removes only its files, and an earlier export that gained a foreign entry after the
+// check is swapped back, not removed.
+TEST(HfExportTest, EntriesAddedDuringTheExportAreKept) {
+  auto s = MakeState("tiny");
+  ASSERT_NE(s, nullptr);
+  TempDir tmp;
+  const std::string out = tmp.path + "/out";
+  HfExportOptions o;
+  o.out_dir = out;
+  o.dtype = ExportDtype::kFp32;
+  o.config_json = s->model().config_json;
+  // `cancelled` is polled between writes: it plants a file in the staging directory, then
+  // cancels the export.
+  o.cancelled = [&] {
+    std::ofstream(out + ".tmp/planted.txt") << "planted";
+    return true;
+  };
+  auto r = ExportHf(*s, o, nullptr);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kCancelled) << r.status();
+  EXPECT_EQ(Listing(out + ".tmp"), (std::set<std::string>{"planted.txt"}));
+  EXPECT_FALSE(fs::exists(out));
+  fs::remove(out + ".tmp/planted.txt");
+  fs::remove(out + ".tmp");
+
+  o.cancelled = nullptr;
+  ASSERT_TRUE(ExportHf(*s, o, nullptr).ok());
+  // Now an overwrite during which a file lands in the export being replaced.
+  o.overwrite = true;
+  o.cancelled = [&] {
+    std::ofstream(out + "/late.txt") << "late";
+    return false;
+  };
+  r = ExportHf(*s, o, nullptr);
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kFailedPrecondition) << r.status();
+  EXPECT_NE(r.status().message().find("late.txt"), std::string::npos) << r.status();
+  EXPECT_EQ(ReadText(out + "/late.txt"), "late");
+  EXPECT_EQ(Listing(out), (std::set<std::string>{"model.safetensors", "config.json", "late.txt",
+                                                 std::string(kExportMarkerFile)}));
+  EXPECT_FALSE(fs::exists(out + ".tmp"));
 }
 
 TEST(HfExportTest, PlanPutsEveryTensorOnceInOrder) {
@@ -300,6 +471,7 @@ TEST(HfExportEngineTest, WaitsForTheStepBoundaryAndValidatesInput) {
   config.mlock = "best_effort";
   config.optimizer.set_lr(1e-3);
   config.routes.set_chunk_bytes(16 << 20);
+  config.output_roots = {tmp.path};
   auto created = Engine::Create(config);
   ASSERT_TRUE(created.ok()) << created.status();
   std::unique_ptr<Engine> engine = std::move(*created);
@@ -343,6 +515,9 @@ TEST(HfExportEngineTest, WaitsForTheStepBoundaryAndValidatesInput) {
   auto r = exported.get();
   ASSERT_TRUE(r.ok()) << r.status();
   EXPECT_EQ(r->version(), 1u);
+  const json marker = json::parse(ReadText(tmp.path + "/out/" + std::string(kExportMarkerFile)));
+  EXPECT_EQ(marker.at("job_id"), "default");
+  EXPECT_EQ(marker.at("version"), 1);
   EXPECT_EQ(r->dtype(), slidedp::v1::DTYPE_BF16);
   for (uint32_t l = 0; l < n; ++l) EXPECT_EQ(s->committed_version(l), 1u);
   CheckTensors(*s, tmp.path + "/out", SafetensorsDtype::kBF16, [&](uint32_t l, uint64_t off) {
@@ -367,6 +542,88 @@ TEST(HfExportEngineTest, WaitsForTheStepBoundaryAndValidatesInput) {
   for (uint32_t l = 0; l < n; ++l) {
     ASSERT_TRUE(engine->WaitLayerVersion(l, 2, std::chrono::seconds(10)).ok());
   }
+  engine->Shutdown(/*remove_state=*/true);
+}
+
+// Engine::Checkpoint's dir and Engine::ExportHF's out_dir: absolute, and under checkpoint.dir (a
+// checkpoint) or output_roots, after resolving ".." and symlinks (issue #17).
+TEST(EngineOutputDirTest, RequestedDirsMustBeAbsoluteAndUnderTheRoots) {
+  TempDir tmp;
+  const std::string ckpt = tmp.path + "/ckpt";
+  const std::string root = tmp.path + "/root";
+  fs::create_directories(root);
+  fs::create_directories(tmp.path + "/outside");
+  fs::create_symlink(tmp.path + "/outside", root + "/link");
+  HostdConfig config;
+  config.instance = UniqueInstance("out-dirs");
+  config.socket = tmp.path + "/hostd.sock";
+  config.model = "tiny";
+  config.update_threads = 1;
+  config.mlock = "best_effort";
+  config.checkpoint.dir = ckpt;
+  config.checkpoint.prepare_snapshot_pool = false;
+  auto created = Engine::Create(config);
+  ASSERT_TRUE(created.ok()) << created.status();
+  std::unique_ptr<Engine> engine = std::move(*created);
+  auto checkpoint = [&](const std::string& dir) {
+    slidedp::v1::CheckpointRequest req;
+    req.set_dir(dir);
+    req.set_wait(true);
+    return engine->Checkpoint(req);
+  };
+  auto expect_refused = [](const absl::Status& st, absl::StatusCode code,
+                           const std::vector<std::string>& fragments) {
+    EXPECT_EQ(st.code(), code) << st;
+    for (const std::string& f : fragments) {
+      EXPECT_NE(st.message().find(f), std::string::npos) << "'" << f << "' not in: " << st;
+    }
+  };
+  // No output_roots: checkpoints go to checkpoint.dir or below it, exports nowhere.
+  expect_refused(checkpoint("rel/ckpt").status(), absl::StatusCode::kInvalidArgument,
+                 {"dir: expected an absolute path", "'rel/ckpt'"});
+  expect_refused(checkpoint(tmp.path + "/outside").status(), absl::StatusCode::kPermissionDenied,
+                 {"dir: '" + tmp.path + "/outside'", "checkpoint.dir ('" + ckpt + "')",
+                  "output_roots (none set)", "set output_roots"});
+  expect_refused(checkpoint(ckpt + "/../outside").status(), absl::StatusCode::kPermissionDenied,
+                 {"(resolved: '" + tmp.path + "/outside')"});
+  EXPECT_FALSE(fs::exists(tmp.path + "/outside/step-0"));
+  auto in_ckpt = checkpoint(ckpt + "/extra");
+  ASSERT_TRUE(in_ckpt.ok()) << in_ckpt.status();
+  EXPECT_EQ(in_ckpt->path(),
+            ckpt + "/extra/" + CheckpointDirName(0, {config.instance, "default"}));
+  slidedp::v1::ExportHFRequest ex;
+  ex.set_out_dir(root + "/export");
+  expect_refused(engine->ExportHF(ex).status(), absl::StatusCode::kPermissionDenied,
+                 {"out_dir: '" + root + "/export' is not below one of output_roots (none set)",
+                  "\"/\" allows any directory"});
+  ex.set_out_dir("relative/export");
+  expect_refused(engine->ExportHF(ex).status(), absl::StatusCode::kInvalidArgument,
+                 {"out_dir: expected an absolute path"});
+  engine->Shutdown(/*remove_state=*/true);
+  engine.reset();
+
+  // With a root: below it, and not out of it through ".." or a symlink.
+  config.instance = UniqueInstance("out-dirs");
+  config.output_roots = {root};
+  created = Engine::Create(config);
+  ASSERT_TRUE(created.ok()) << created.status();
+  engine = std::move(*created);
+  auto in_root = checkpoint(root + "/c");
+  ASSERT_TRUE(in_root.ok()) << in_root.status();
+  EXPECT_EQ(in_root->path(), root + "/c/" + CheckpointDirName(0, {config.instance, "default"}));
+  expect_refused(checkpoint(root + "/link/c").status(), absl::StatusCode::kPermissionDenied,
+                 {"(resolved: '" + tmp.path + "/outside/c')", "(" + root + ")"});
+  ex.set_out_dir(root + "/export");
+  auto exported = engine->ExportHF(ex);
+  ASSERT_TRUE(exported.ok()) << exported.status();
+  EXPECT_TRUE(fs::exists(root + "/export/model.safetensors"));
+  for (const std::string& bad :
+       {root + "/../outside/x", root + "/link/x", root + "/link", root, tmp.path + "/rootx"}) {
+    ex.set_out_dir(bad);
+    expect_refused(engine->ExportHF(ex).status(), absl::StatusCode::kPermissionDenied,
+                   {"out_dir: '" + bad + "'", "output_roots (" + root + ")"});
+  }
+  EXPECT_TRUE(fs::is_empty(tmp.path + "/outside"));
   engine->Shutdown(/*remove_state=*/true);
 }
 

@@ -807,6 +807,7 @@ TEST(EngineShardRouteTest, StreamedStepsThenAbortMidLayerRefusesFurtherSteps) {
   cj.mutable_spec()->mutable_routes()->set_chunk_bytes(kChunkBytes);
   ASSERT_TRUE(engine->CreateJob(cj).ok());
   TrainingState* state = engine->state();
+  std::string tokens[2];
   for (uint32_t r = 0; r < 2; ++r) {
     v1::AttachRankRequest a;
     a.set_rank(r);
@@ -815,11 +816,13 @@ TEST(EngineShardRouteTest, StreamedStepsThenAbortMidLayerRefusesFurtherSteps) {
     auto attached = engine->AttachRank(a);
     ASSERT_TRUE(attached.ok()) << attached.status();
     EXPECT_EQ(attached->layout().grad_route(), v1::GRAD_ROUTE_REDUCE_SCATTER);
+    tokens[r] = attached->attach_token();
   }
   auto begin = [&](uint32_t rank, uint64_t step) {
     v1::BeginStepRequest b;
     b.set_rank(rank);
     b.set_step(step);
+    b.set_attach_token(tokens[rank]);
     return engine->BeginStep(b).status();
   };
   std::vector<FakeRank> ranks;

@@ -9,6 +9,7 @@
 #include <cstring>
 #include <utility>
 
+#include "absl/strings/cord.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "common/version.h"
@@ -85,9 +86,16 @@ v1::BuildInfo ClientBuildInfo() {
   return info;
 }
 
+std::optional<int64_t> ClientDeadlineMs(const absl::Status& status) {
+  if (status.code() != absl::StatusCode::kDeadlineExceeded) return std::nullopt;
+  const auto payload = status.GetPayload(kClientDeadlinePayload);
+  int64_t ms = 0;
+  if (!payload || !absl::SimpleAtoi(std::string(*payload), &ms)) return std::nullopt;
+  return ms;
+}
+
 bool IsUnreachable(const absl::Status& status) {
-  return status.code() == absl::StatusCode::kUnavailable ||
-         status.code() == absl::StatusCode::kDeadlineExceeded;
+  return status.code() == absl::StatusCode::kUnavailable || ClientDeadlineMs(status).has_value();
 }
 
 absl::StatusOr<ControlClient> ControlClient::Connect(const Endpoint& endpoint, int64_t timeout_ms) {
@@ -107,13 +115,21 @@ ControlClient::ControlClient(std::unique_ptr<v1::Control::StubInterface> stub, i
 template <typename Response, typename Request, typename Method>
 absl::StatusOr<Response> ControlClient::Call(Method method, const Request& request,
                                              int64_t timeout_ms) {
+  const int64_t deadline_ms = timeout_ms > 0 ? timeout_ms : timeout_ms_;
+  const auto deadline = std::chrono::system_clock::now() + std::chrono::milliseconds(deadline_ms);
   grpc::ClientContext context;
-  context.set_deadline(std::chrono::system_clock::now() +
-                       std::chrono::milliseconds(timeout_ms > 0 ? timeout_ms : timeout_ms_));
+  context.set_deadline(deadline);
   Response response;
-  const grpc::Status status = ((*stub_).*method)(&context, request, &response);
-  if (!status.ok()) return FromGrpc(status);
-  return response;
+  const grpc::Status grpc_status = ((*stub_).*method)(&context, request, &response);
+  if (grpc_status.ok()) return response;
+  absl::Status status = FromGrpc(grpc_status);
+  // Ours when the deadline has passed (give or take the clocks' granularity); hostd's own
+  // DEADLINE_EXCEEDED answers arrive before it.
+  if (status.code() == absl::StatusCode::kDeadlineExceeded &&
+      std::chrono::system_clock::now() + std::chrono::milliseconds(20) >= deadline) {
+    status.SetPayload(kClientDeadlinePayload, absl::Cord(absl::StrCat(deadline_ms)));
+  }
+  return status;
 }
 
 absl::StatusOr<v1::HandshakeResponse> ControlClient::Handshake() {

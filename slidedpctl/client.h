@@ -1,7 +1,8 @@
 // ControlClient: slidedpctl's connection to hostd's slidedp.v1.Control service.
 //
 // Every call carries a deadline of `timeout_ms` and returns the daemon's gRPC status translated
-// once into absl::Status (same canonical code, same message). Classifying a failure as
+// once into absl::Status (same canonical code, same message); a call that runs out of its own
+// deadline says so in a payload (kClientDeadlinePayload). Classifying a failure as
 // "unreachable" vs "rejected" is the caller's job (see IsUnreachable).
 //
 // The channel is unauthenticated (insecure credentials): over a unix socket the filesystem
@@ -14,6 +15,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 
 #include "absl/status/status.h"
@@ -39,8 +41,17 @@ absl::StatusOr<Endpoint> MakeTcpEndpoint(absl::string_view host_port);
 // version, git revision, protocol and shared-memory ABI versions (common/version.h).
 v1::BuildInfo ClientBuildInfo();
 
-// True for the codes that mean "no daemon answered" rather than "the daemon said no":
-// UNAVAILABLE (no socket, connection refused, daemon went away) and DEADLINE_EXCEEDED.
+// A call that ran out of its own deadline returns DEADLINE_EXCEEDED carrying this payload: the
+// deadline it had, in milliseconds (decimal text). A DEADLINE_EXCEEDED without it is hostd's own
+// answer (e.g. an export that waited 10 minutes for a step boundary).
+inline constexpr char kClientDeadlinePayload[] = "slidedp.dev/client-deadline-ms";
+
+// The deadline that `status` ran out of, when it is a call's own (kClientDeadlinePayload).
+std::optional<int64_t> ClientDeadlineMs(const absl::Status& status);
+
+// True for the statuses that mean "no daemon answered" rather than "the daemon said no":
+// UNAVAILABLE (no socket, connection refused, daemon went away) and a call's own deadline
+// (ClientDeadlineMs).
 bool IsUnreachable(const absl::Status& status);
 
 class ControlClient {

@@ -47,7 +47,8 @@ Exit codes:
   3  hostd unreachable (no socket, connection refused, or no answer within --timeout-ms)
   4  hostd rejected the request (e.g. version skew at handshake, unknown job); cleanup: the
      instance named is owned by a live hostd
-  5  estimate: something does not fit this machine; doctor: a check FAILed)";
+  5  estimate: something does not fit this machine; doctor: a check FAILed
+  6  export / checkpoint: not finished within --export-timeout-s / --wait-s; it goes on in hostd)";
 
 struct GlobalOptions {
   std::string socket_path;
@@ -78,8 +79,8 @@ struct Failure {
 Failure DescribeRpcFailure(const Context& ctx, absl::string_view rpc, const absl::Status& status) {
   if (IsUnreachable(status)) {
     std::string detail(status.message());
-    if (status.code() == absl::StatusCode::kDeadlineExceeded) {
-      detail = absl::StrCat("no answer to ", rpc, " within ", ctx.options.timeout_ms, " ms (",
+    if (std::optional<int64_t> deadline_ms = ClientDeadlineMs(status)) {
+      detail = absl::StrCat("no answer to ", rpc, " within ", *deadline_ms, " ms (",
                             status.message(), ")");
     }
     const char* where =
@@ -99,6 +100,21 @@ Failure DescribeRpcFailure(const Context& ctx, absl::string_view rpc, const absl
                                 "); use the slidedpctl that ships with the running hostd");
   }
   return failure;
+}
+
+// A long operation that hostd accepted (the handshake answered) and did not finish within the
+// deadline the user gave it: hostd goes on with it (a client's deadline cancels neither an
+// export nor a checkpoint), so this is neither "unreachable" nor "rejected".
+std::optional<Failure> DescribeTimeout(const absl::Status& status, absl::string_view what,
+                                       absl::string_view flag, absl::string_view follow_up) {
+  const std::optional<int64_t> deadline_ms = ClientDeadlineMs(status);
+  if (!deadline_ms) return std::nullopt;
+  const std::string deadline = *deadline_ms % 1000 == 0 ? absl::StrCat(*deadline_ms / 1000, " s")
+                                                        : absl::StrCat(*deadline_ms, " ms");
+  return Failure{kExitTimedOut,
+                 absl::StrCat(what, " did not finish within ", deadline, " (", flag,
+                              "); slidedpctl stopped waiting, but it goes on in hostd"),
+                 std::string(follow_up)};
 }
 
 int Report(const Context& ctx, const Failure& failure) {
@@ -179,9 +195,9 @@ int RunRanks(const Context& ctx, const std::string& job_id) {
       ctx, "ListRanks", [&job_id](ControlClient& c) { return c.ListRanks(job_id); },
       [&ctx](const v1::ListRanksResponse& r) {
         if (ctx.options.json) {
-          PrintJson(ProtoToJsonArray(r.ranks()), ctx.out);
+          PrintJson(ProtoToJsonArray(AttachedRanks(r.ranks())), ctx.out);
         } else {
-          RanksTable(r.ranks()).Print(ctx.out);
+          PrintRanks(r.ranks(), ctx.out);
         }
       });
 }
@@ -263,7 +279,17 @@ int RunExport(const Context& ctx, const std::string& job_id, const ExportOptions
   if (!session.ok()) return Report(ctx, DescribeRpcFailure(ctx, "Handshake", session.status()));
   session->client.set_timeout_ms(o.timeout_s * 1000);
   absl::StatusOr<v1::ExportHFResponse> r = session->client.ExportHF(request);
-  if (!r.ok()) return Report(ctx, DescribeRpcFailure(ctx, "ExportHF", r.status()));
+  if (!r.ok()) {
+    if (std::optional<Failure> timeout = DescribeTimeout(
+            r.status(), absl::StrCat("the export to ", request.out_dir()),
+            absl::StrCat("--export-timeout-s ", o.timeout_s),
+            "it holds the next training step until its files are written; hostd logs its end, "
+            "'slidedpctl stats' counts it in exports_completed; wait longer with "
+            "--export-timeout-s")) {
+      return Report(ctx, *timeout);
+    }
+    return Report(ctx, DescribeRpcFailure(ctx, "ExportHF", r.status()));
+  }
   if (ctx.options.json) {
     PrintJson(ProtoToJson(*r), ctx.out);
   } else {
@@ -298,26 +324,44 @@ int RunWatchCmd(const Context& ctx, const WatchOptions& o) {
 
 int RunCheckpoint(const Context& ctx, const std::string& job_id, bool no_wait,
                   const std::string& dir, int64_t wait_s) {
-  return Query(
-      ctx, "Checkpoint",
-      [&](ControlClient& c) {
-        return c.Checkpoint(job_id, !no_wait, dir, no_wait ? 0 : wait_s * 1000);
-      },
-      [&ctx](const v1::CheckpointResponse& r) {
-        if (ctx.options.json) {
-          PrintJson(ProtoToJson(r), ctx.out);
-          return;
-        }
-        Table t = Table::KeyValue();
-        t.AddRow({"step", absl::StrCat(r.step())});
-        t.AddRow({"path", r.path()});
-        t.AddRow({"state", r.committed() ? "committed" : "started (being written)"});
-        if (r.committed()) {
-          t.AddRow({"size", FormatBytes(r.bytes())});
-          t.AddRow({"seconds", absl::StrFormat("%.2f", r.seconds())});
-        }
-        t.Print(ctx.out);
-      });
+  // hostd has its own working directory (and refuses relative paths): send an absolute one.
+  std::string absolute_dir;
+  if (!dir.empty()) {
+    std::error_code ec;
+    absolute_dir = std::filesystem::absolute(dir, ec).string();
+    if (ec) {
+      ctx.err << "slidedpctl: --dir: cannot make '" << dir << "' absolute: " << ec.message()
+              << '\n';
+      return kExitUsage;
+    }
+  }
+  absl::StatusOr<Session> session = Open(ctx);
+  if (!session.ok()) return Report(ctx, DescribeRpcFailure(ctx, "Handshake", session.status()));
+  absl::StatusOr<v1::CheckpointResponse> r =
+      session->client.Checkpoint(job_id, !no_wait, absolute_dir, no_wait ? 0 : wait_s * 1000);
+  if (!r.ok()) {
+    if (std::optional<Failure> timeout =
+            DescribeTimeout(r.status(), "the checkpoint", absl::StrCat("--wait-s ", wait_s),
+                            "'slidedpctl status' shows it in flight and, once committed, as the "
+                            "last checkpoint; wait longer with --wait-s")) {
+      return Report(ctx, *timeout);
+    }
+    return Report(ctx, DescribeRpcFailure(ctx, "Checkpoint", r.status()));
+  }
+  if (ctx.options.json) {
+    PrintJson(ProtoToJson(*r), ctx.out);
+    return kExitOk;
+  }
+  Table t = Table::KeyValue();
+  t.AddRow({"step", absl::StrCat(r->step())});
+  t.AddRow({"path", r->path()});
+  t.AddRow({"state", r->committed() ? "committed" : "started (being written)"});
+  if (r->committed()) {
+    t.AddRow({"size", FormatBytes(r->bytes())});
+    t.AddRow({"seconds", absl::StrFormat("%.2f", r->seconds())});
+  }
+  t.Print(ctx.out);
+  return kExitOk;
 }
 
 // No hostd involved: reads the directory.
@@ -507,7 +551,9 @@ int Run(const std::vector<std::string>& args, std::ostream& out, std::ostream& e
       "export",
       "write the job's weights as an HF model directory (safetensors + config.json) that "
       "transformers loads; hostd writes it at a step boundary");
-  export_cmd->add_option("--out", exp.out, "output directory (on hostd's machine)")
+  export_cmd
+      ->add_option("--out", exp.out,
+                   "output directory on hostd's machine, below one of hostd's output_roots")
       ->type_name("DIR")
       ->required();
   export_cmd
@@ -523,7 +569,9 @@ int Run(const std::vector<std::string>& args, std::ostream& out, std::ostream& e
       ->add_option("--config", exp.config,
                    "the model's config.json (only for a job created over RPC)")
       ->type_name("FILE");
-  export_cmd->add_flag("--overwrite", exp.overwrite, "replace a non-empty output directory");
+  export_cmd->add_flag("--overwrite", exp.overwrite,
+                       "replace an earlier export of hostd in the output directory (never other "
+                       "files)");
   export_cmd->add_option("--export-timeout-s", exp.timeout_s, "how long to wait for the export")
       ->check(CLI::Range(int64_t{1}, int64_t{86400}))
       ->capture_default_str();
@@ -544,7 +592,10 @@ int Run(const std::vector<std::string>& args, std::ostream& out, std::ostream& e
   checkpoint_cmd->add_option("--job", job_id, "job id (default: the daemon's job)")
       ->type_name("ID");
   checkpoint_cmd->add_flag("--no-wait", no_wait, "return once started, not once committed");
-  checkpoint_cmd->add_option("--dir", ckpt_dir, "directory (default: hostd's checkpoint.dir)")
+  checkpoint_cmd
+      ->add_option("--dir", ckpt_dir,
+                   "directory on hostd's machine, relative to this working directory (default: "
+                   "hostd's checkpoint.dir; others must lie under hostd's output_roots)")
       ->type_name("DIR");
   checkpoint_cmd->add_option("--wait-s", wait_s, "how long to wait for the commit")
       ->check(CLI::Range(int64_t{1}, int64_t{7 * 24 * 3600}))

@@ -11,10 +11,12 @@
 //   1  internal error in slidedpctl (a bug)
 //   2  usage error: unknown subcommand or flag, bad value (CLI11 parse error), bad --tcp
 //   3  hostd unreachable: socket missing, connection refused, daemon went away (UNAVAILABLE)
-//      or no answer within --timeout-ms (DEADLINE_EXCEEDED)
-//   4  hostd rejected the request: any other non-OK status, including FAILED_PRECONDITION at
-//      handshake on version skew
+//      or no answer within the call's deadline (--timeout-ms; the message names the deadline)
+//   4  hostd rejected the request: any other non-OK status (hostd's own DEADLINE_EXCEEDED
+//      included), including FAILED_PRECONDITION at handshake on version skew
 //   5  `estimate`: a figure does not fit this machine (a TOO LARGE line); `doctor`: a check FAILed
+//   6  `export` or a waiting `checkpoint` did not finish within its deadline (--export-timeout-s,
+//      --wait-s) after hostd accepted it: the operation goes on in hostd
 // `estimate` and `doctor` never contact hostd; a model they cannot load (missing file, bad
 // config.json, unsupported model_type) is a usage error (2).
 //
@@ -34,6 +36,7 @@ inline constexpr int kExitUsage = 2;
 inline constexpr int kExitUnreachable = 3;
 inline constexpr int kExitRejected = 4;
 inline constexpr int kExitNoFit = 5;
+inline constexpr int kExitTimedOut = 6;
 
 inline constexpr char kDefaultSocket[] = "/run/slidedp/hostd.sock";
 inline constexpr char kSocketEnv[] = "SLIDEDP_SOCKET";

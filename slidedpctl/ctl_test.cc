@@ -1,13 +1,17 @@
 // End-to-end tests of slidedpctl's commands: RunCtl against FakeDaemon on a temp unix socket.
 #include "slidedpctl/ctl.h"
 
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/un.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <iostream>
+#include <limits>
 #include <optional>
 #include <sstream>
 #include <string>
@@ -17,11 +21,13 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "common/shm_segment.h"
 #include "common/version.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
 #include "slidedpctl/fake_control_service.h"
+#include "slidedpctl/machine.h"
 
 namespace slidedp::ctl {
 namespace {
@@ -420,6 +426,71 @@ TEST_F(CtlTest, RanksTableAndJson) {
   EXPECT_EQ(json[1]["gpu"], -1);
 }
 
+// hostd answers one entry per slot of the world size; a slot no rank holds is no rank.
+TEST_F(CtlTest, RanksWithNoneAttachedPrintNoPhantomRow) {
+  daemon_.service().set_no_rank_attached(true);
+  const CtlResult r = Ctl(At({"ranks"}));
+  ASSERT_EQ(r.code, kExitOk) << r.err;
+  EXPECT_EQ(r.out, "no rank attached (world size 1)\n");
+  const CtlResult json_result = Ctl(At({"ranks", "--json"}));
+  ASSERT_EQ(json_result.code, kExitOk) << json_result.err;
+  EXPECT_EQ(Json::parse(json_result.out), Json::array()) << json_result.out;
+}
+
+// An export that outlives --export-timeout-s: the message names that deadline (not
+// --timeout-ms's) and says the export goes on in hostd; the exit code is its own.
+TEST_F(CtlTest, ExportTimeoutNamesTheDeadlineItHadAndSaysTheExportGoesOn) {
+  daemon_.service().set_operation_delay_ms(30'000);
+  const CtlResult r = Ctl(At({"export", "--out", "/tmp/x", "--export-timeout-s", "1"}));
+  EXPECT_EQ(r.code, kExitTimedOut) << r.err;
+  EXPECT_THAT(r.err, HasSubstr("slidedpctl: the export to /tmp/x did not finish within 1 s "
+                               "(--export-timeout-s 1); slidedpctl stopped waiting, but it goes "
+                               "on in hostd"));
+  EXPECT_THAT(r.err, ::testing::Not(HasSubstr("5000 ms")));
+  EXPECT_THAT(r.err, ::testing::Not(HasSubstr("cannot reach hostd")));
+  // The same for a checkpoint that is not committed within --wait-s.
+  const CtlResult c = Ctl(At({"checkpoint", "--wait-s", "1"}));
+  EXPECT_EQ(c.code, kExitTimedOut) << c.err;
+  EXPECT_THAT(c.err, HasSubstr("the checkpoint did not finish within 1 s (--wait-s 1)"));
+  // A query's own deadline is still "no answer" (exit 3), naming --timeout-ms's value.
+  daemon_.service().set_status_delay_ms(1000);
+  const CtlResult q = Ctl(At({"--timeout-ms", "300", "status"}));
+  EXPECT_EQ(q.code, kExitUnreachable);
+  EXPECT_THAT(q.err, HasSubstr("no answer to GetStatus within 300 ms"));
+}
+
+// hostd's own DEADLINE_EXCEEDED (the export waited 10 minutes for a step boundary) is its answer,
+// not "no answer": exit 4 with hostd's message.
+TEST_F(CtlTest, HostdsDeadlineExceededIsARejection) {
+  daemon_.service().set_export_status(grpc::Status(
+      grpc::StatusCode::DEADLINE_EXCEEDED,
+      "step 3 did not complete within 10 minutes; the export waits for a step boundary"));
+  const CtlResult r = Ctl(At({"export", "--out", "/tmp/x"}));
+  EXPECT_EQ(r.code, kExitRejected) << r.err;
+  EXPECT_THAT(r.err, HasSubstr("hostd rejected ExportHF: DEADLINE_EXCEEDED: step 3 did not "
+                               "complete within 10 minutes"));
+  EXPECT_THAT(r.err, ::testing::Not(HasSubstr("no answer")));
+}
+
+// hostd refuses relative directories (it has its own working directory): slidedpctl sends
+// --dir made absolute against its own.
+TEST_F(CtlTest, CheckpointDirIsSentAbsolute) {
+  const CtlResult r = Ctl(At({"checkpoint", "--dir", "rel/ckpt", "--json"}));
+  ASSERT_EQ(r.code, kExitOk) << r.err;
+  const std::string expected = (std::filesystem::current_path() / "rel/ckpt").string();
+  EXPECT_EQ(daemon_.service().last_checkpoint().dir(), expected);
+  EXPECT_EQ(Json::parse(r.out)["path"], expected + "/step-42");
+  ASSERT_EQ(Ctl(At({"checkpoint", "--dir", "/abs/ckpt"})).code, kExitOk);
+  EXPECT_EQ(daemon_.service().last_checkpoint().dir(), "/abs/ckpt");
+  ASSERT_EQ(Ctl(At({"checkpoint"})).code, kExitOk);
+  EXPECT_EQ(daemon_.service().last_checkpoint().dir(), "");  // hostd's checkpoint.dir
+  // export --out likewise (it did already).
+  ASSERT_EQ(Ctl(At({"export", "--out", "rel/out", "--overwrite"})).code, kExitOk);
+  EXPECT_EQ(daemon_.service().last_export().out_dir(),
+            (std::filesystem::current_path() / "rel/out").string());
+  EXPECT_TRUE(daemon_.service().last_export().overwrite());
+}
+
 TEST_F(CtlTest, StatsTableAndJson) {
   const CtlResult r = Ctl(At({"stats"}));
   ASSERT_EQ(r.code, kExitOk) << r.err;
@@ -433,6 +504,36 @@ TEST_F(CtlTest, StatsTableAndJson) {
   EXPECT_EQ(json["update_params_total"].get<uint64_t>(), 44'048'449'536u);
   EXPECT_DOUBLE_EQ(json["update_seconds_total"].get<double>(), 12.3456789);
   EXPECT_EQ(json["isa"], "avx512");
+}
+
+// estimate and doctor judge memlock as hostd does (common/shm_segment.h ReadHostMemoryInfo:
+// CAP_IPC_LOCK or an unlimited RLIMIT_MEMLOCK): with the capability (root) a small rlimit does
+// not make hostd's pinned memory TOO LARGE.
+TEST(CtlMachineTest, MemlockIsJudgedAsHostdJudgesIt) {
+  rlimit before{};
+  ASSERT_EQ(getrlimit(RLIMIT_MEMLOCK, &before), 0);
+  rlimit low = before;
+  low.rlim_cur = std::min<rlim_t>(64 << 10, before.rlim_max);
+  ASSERT_EQ(setrlimit(RLIMIT_MEMLOCK, &low), 0);
+  absl::StatusOr<HostMemoryInfo> hostd_view = ReadHostMemoryInfo();
+  const MachineInfo m = ProbeMachine();
+  const CtlResult r = Ctl({"estimate", "--model", "tiny", "--gpus", "1", "--batch", "1", "--seq",
+                           "8", "--gpu-memory", "80GiB", "--json"});
+  ASSERT_EQ(setrlimit(RLIMIT_MEMLOCK, &before), 0);
+  ASSERT_TRUE(hostd_view.ok()) << hostd_view.status();
+  const bool hostd_unlimited =
+      hostd_view->memlock_limit_bytes == std::numeric_limits<uint64_t>::max();
+  if (!hostd_unlimited) std::cout << "no CAP_IPC_LOCK here: the limited case is checked\n";
+  ASSERT_TRUE(m.have_memlock);
+  EXPECT_EQ(m.memlock_unlimited, hostd_unlimited);
+  EXPECT_EQ(m.memlock_by_capability, hostd_unlimited);  // the rlimit itself is 64 KiB
+  const Json estimate = Json::parse(r.out);
+  const Json& pinned = estimate["figures"]["pinned_bytes"];
+  EXPECT_GT(pinned["value"].get<uint64_t>(), uint64_t{64} << 10);
+  EXPECT_EQ(pinned["verdict"], hostd_unlimited ? "OK" : "TOO LARGE") << pinned.dump();
+  if (hostd_unlimited) {
+    EXPECT_THAT(pinned["against"].get<std::string>(), HasSubstr("CAP_IPC_LOCK"));
+  }
 }
 
 TEST(CtlUsageTest, UnknownSubcommandExits2) {
@@ -496,8 +597,9 @@ TEST(CtlUsageTest, HelpExits0AndDocumentsExitCodes) {
   const CtlResult r = Ctl({"--help"});
   EXPECT_EQ(r.code, kExitOk);
   EXPECT_THAT(r.out, AllOf(HasSubstr("Exit codes:"), HasSubstr("3  hostd unreachable"),
-                           HasSubstr("4  hostd rejected"), HasSubstr("SLIDEDP_SOCKET"),
-                           HasSubstr("status"), HasSubstr("layers"), HasSubstr("--json")));
+                           HasSubstr("4  hostd rejected"), HasSubstr("6  export / checkpoint"),
+                           HasSubstr("SLIDEDP_SOCKET"), HasSubstr("status"), HasSubstr("layers"),
+                           HasSubstr("--json")));
   const CtlResult sub = Ctl({"layers", "--help"});
   EXPECT_EQ(sub.code, kExitOk);
   EXPECT_THAT(sub.out, HasSubstr("--job"));

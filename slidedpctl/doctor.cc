@@ -33,10 +33,17 @@ std::vector<DoctorCheck> RunDoctor(const MachineInfo& m, bool is_root) {
   }
 
   if (!m.have_memlock) {
-    add("memlock", kDoctorWarn, "unknown (getrlimit failed)",
+    add("memlock", kDoctorWarn, "unknown (getrlimit or /dev/shm failed)",
         "Set LimitMEMLOCK=infinity in hostd's unit or run 'ulimit -l unlimited' before hostd.");
   } else if (m.memlock_unlimited) {
-    add("memlock", kDoctorOk, "unlimited", "hostd can mlock all of its shared memory.");
+    add("memlock", kDoctorOk,
+        m.memlock_by_capability ? absl::StrCat("unlimited (CAP_IPC_LOCK; RLIMIT_MEMLOCK ",
+                                               FormatBytes(m.memlock_rlimit), " does not apply)")
+                                : std::string("unlimited"),
+        m.memlock_by_capability
+            ? "hostd run like this (with CAP_IPC_LOCK) can mlock all of its shared memory; "
+              "a hostd of another user without it needs LimitMEMLOCK=infinity."
+            : "hostd can mlock all of its shared memory.");
   } else if (m.have_meminfo && m.memlock_limit >= m.mem_total) {
     add("memlock", kDoctorOk, FormatBytes(m.memlock_limit),
         "The limit covers all of host memory, so hostd can mlock its shared memory.");
@@ -45,7 +52,7 @@ std::vector<DoctorCheck> RunDoctor(const MachineInfo& m, bool is_root) {
         absl::StrCat(
             FormatBytes(m.memlock_limit),
             m.have_meminfo ? absl::StrCat(" (< MemTotal ", FormatBytes(m.mem_total), ")") : "",
-            is_root ? "; root with CAP_IPC_LOCK is not bound by it" : ""),
+            is_root ? "; this root process lacks CAP_IPC_LOCK, so it is bound by it" : ""),
         "hostd mlocks all its shared memory (mlock=required): set LimitMEMLOCK=infinity in "
         "hostd's systemd unit or run 'ulimit -l unlimited' first.");
   }

@@ -155,7 +155,10 @@ absl::StatusOr<Estimate> ComputeEstimate(const hostd::LoadedModel& model,
     std::string against = "RLIMIT_MEMLOCK unknown";
     if (machine.have_memlock && machine.memlock_unlimited) {
       limit = kMax;
-      against = "memlock limit unlimited";
+      against = machine.memlock_by_capability
+                    ? absl::StrCat("memlock unlimited (CAP_IPC_LOCK; RLIMIT_MEMLOCK ",
+                                   FormatBytes(machine.memlock_rlimit), " does not apply)")
+                    : "memlock limit unlimited";
     } else if (machine.have_memlock) {
       limit = machine.memlock_limit;
       against = absl::StrCat("memlock limit ", FormatBytes(machine.memlock_limit));
@@ -240,6 +243,7 @@ nlohmann::ordered_json EstimateToJson(const Estimate& e, const MachineInfo& mach
                    {"memlock_unlimited", machine.have_memlock && machine.memlock_unlimited},
                    {"memlock_limit_bytes",
                     opt(machine.have_memlock && !machine.memlock_unlimited, machine.memlock_limit)},
+                   {"memlock_by_capability", machine.memlock_by_capability},
                    {"dev_shm_size_bytes", opt(machine.have_dev_shm, machine.dev_shm_size)},
                    {"dev_shm_free_bytes", opt(machine.have_dev_shm, machine.dev_shm_free)},
                    {"nvidia_gpus", machine.nvidia_driver ? J(machine.gpus.size()) : J(nullptr)}};

@@ -195,6 +195,13 @@ grpc::Status FakeControlService::ListRanks(grpc::ServerContext*,
                                            const v1::ListRanksRequest* request,
                                            v1::ListRanksResponse* response) {
   if (!KnownJob(request->job_id())) return UnknownJob(request->job_id());
+  std::lock_guard<std::mutex> lock(mu_);
+  if (no_rank_attached_) {
+    // hostd's answer for a world size of 1 and no rank: the slot, default-valued.
+    v1::RankStatus* slot = response->add_ranks();
+    slot->set_rank(0);
+    return grpc::Status::OK;
+  }
   *response = CannedRanks();
   return grpc::Status::OK;
 }
@@ -210,6 +217,77 @@ grpc::Status FakeControlService::GetConfig(grpc::ServerContext*, const v1::GetCo
                                            v1::GetConfigResponse* response) {
   *response = CannedConfig();
   return grpc::Status::OK;
+}
+
+grpc::Status FakeControlService::ExportHF(grpc::ServerContext* context,
+                                          const v1::ExportHFRequest* request,
+                                          v1::ExportHFResponse* response) {
+  int64_t delay_ms = 0;
+  grpc::Status status;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    last_export_ = *request;
+    delay_ms = operation_delay_ms_;
+    status = export_status_;
+  }
+  const auto until = std::chrono::steady_clock::now() + std::chrono::milliseconds(delay_ms);
+  while (std::chrono::steady_clock::now() < until && !context->IsCancelled()) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  if (!status.ok()) return status;
+  response->set_out_dir(request->out_dir());
+  response->set_version(42);
+  response->add_files("model.safetensors");
+  response->add_files("config.json");
+  response->set_tensor_bytes(1 << 20);
+  response->set_tensors(7);
+  response->set_seconds(0.5);
+  response->set_dtype(v1::DTYPE_BF16);
+  return grpc::Status::OK;
+}
+
+grpc::Status FakeControlService::Checkpoint(grpc::ServerContext* context,
+                                            const v1::CheckpointRequest* request,
+                                            v1::CheckpointResponse* response) {
+  int64_t delay_ms = 0;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    last_checkpoint_ = *request;
+    delay_ms = operation_delay_ms_;
+  }
+  const auto until = std::chrono::steady_clock::now() + std::chrono::milliseconds(delay_ms);
+  while (std::chrono::steady_clock::now() < until && !context->IsCancelled()) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  response->set_step(42);
+  response->set_path(absl::StrCat(request->dir().empty() ? "/ckpt" : request->dir(), "/step-42"));
+  response->set_committed(request->wait());
+  return grpc::Status::OK;
+}
+
+void FakeControlService::set_operation_delay_ms(int64_t delay_ms) {
+  std::lock_guard<std::mutex> lock(mu_);
+  operation_delay_ms_ = delay_ms;
+}
+
+void FakeControlService::set_export_status(grpc::Status status) {
+  std::lock_guard<std::mutex> lock(mu_);
+  export_status_ = std::move(status);
+}
+
+void FakeControlService::set_no_rank_attached(bool none) {
+  std::lock_guard<std::mutex> lock(mu_);
+  no_rank_attached_ = none;
+}
+
+v1::ExportHFRequest FakeControlService::last_export() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return last_export_;
+}
+
+v1::CheckpointRequest FakeControlService::last_checkpoint() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return last_checkpoint_;
 }
 
 void FakeControlService::set_refuse_handshake(bool refuse) {

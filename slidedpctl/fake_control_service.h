@@ -4,8 +4,10 @@
 //
 // Canned data: one job "job-7" (tiny-llama, world size 2) with three layers of different name
 // lengths and sizes (one with numa_node -1), two ranks (one on CPU, one disconnected), four config
-// entries (one per source) and stats. Knobs make Handshake refuse (version skew) and GetStatus
-// slow. ListLayers/ListRanks/GetStats answer INVALID_ARGUMENT for a job_id other than "" or
+// entries (one per source) and stats. Knobs make Handshake refuse (version skew), GetStatus,
+// ExportHF and Checkpoint slow, ExportHF answer an error, and ListRanks answer hostd's list for a
+// job no rank has attached to (one empty slot). ExportHF and Checkpoint record their requests and
+// succeed. ListLayers/ListRanks/GetStats answer INVALID_ARGUMENT for a job_id other than "" or
 // "job-7".
 //
 // Thread safety: the service's knobs and records are guarded by a mutex; RPCs run on gRPC threads.
@@ -42,6 +44,10 @@ class FakeControlService final : public v1::Control::Service {
                         v1::GetStatsResponse* response) override;
   grpc::Status GetConfig(grpc::ServerContext* context, const v1::GetConfigRequest* request,
                          v1::GetConfigResponse* response) override;
+  grpc::Status ExportHF(grpc::ServerContext* context, const v1::ExportHFRequest* request,
+                        v1::ExportHFResponse* response) override;
+  grpc::Status Checkpoint(grpc::ServerContext* context, const v1::CheckpointRequest* request,
+                          v1::CheckpointResponse* response) override;
 
   // Handshake answers FAILED_PRECONDITION as hostd does on version skew.
   void set_refuse_handshake(bool refuse);
@@ -49,17 +55,30 @@ class FakeControlService final : public v1::Control::Service {
   void set_no_job(bool no_job);
   // GetStatus sleeps this long before answering.
   void set_status_delay_ms(int64_t delay_ms);
+  // ExportHF and Checkpoint wait this long (or until the client gives up) before answering.
+  void set_operation_delay_ms(int64_t delay_ms);
+  // ExportHF answers this status (when not OK) instead of a response.
+  void set_export_status(grpc::Status status);
+  // ListRanks answers one slot that no rank has attached to.
+  void set_no_rank_attached(bool none);
+  v1::ExportHFRequest last_export() const;
+  v1::CheckpointRequest last_checkpoint() const;
 
   int handshake_count() const;
   v1::HandshakeRequest last_handshake() const;
 
  private:
   mutable std::mutex mu_;
-  bool refuse_handshake_ = false;        // guarded by mu_
-  bool no_job_ = false;                  // guarded by mu_
-  int64_t status_delay_ms_ = 0;          // guarded by mu_
-  int handshake_count_ = 0;              // guarded by mu_
-  v1::HandshakeRequest last_handshake_;  // guarded by mu_
+  bool refuse_handshake_ = false;          // guarded by mu_
+  bool no_job_ = false;                    // guarded by mu_
+  int64_t status_delay_ms_ = 0;            // guarded by mu_
+  int64_t operation_delay_ms_ = 0;         // guarded by mu_
+  grpc::Status export_status_;             // guarded by mu_
+  bool no_rank_attached_ = false;          // guarded by mu_
+  v1::ExportHFRequest last_export_;        // guarded by mu_
+  v1::CheckpointRequest last_checkpoint_;  // guarded by mu_
+  int handshake_count_ = 0;                // guarded by mu_
+  v1::HandshakeRequest last_handshake_;    // guarded by mu_
 };
 
 // Serves a FakeControlService on <fresh temp dir>/hostd.sock and, with `tcp`, also on

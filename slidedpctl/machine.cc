@@ -12,12 +12,14 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <sstream>
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
+#include "common/shm_segment.h"
 
 namespace slidedp::ctl {
 namespace {
@@ -128,11 +130,17 @@ int CountCpuList(const std::string& text) {
 MachineInfo ProbeMachine() {
   MachineInfo m;
   ProbeMeminfo(m);
-  struct rlimit rl {};
-  if (getrlimit(RLIMIT_MEMLOCK, &rl) == 0) {
+  // hostd's own test (ShmSegment::Create with mlock = required): CAP_IPC_LOCK or an unlimited
+  // RLIMIT_MEMLOCK.
+  if (absl::StatusOr<HostMemoryInfo> mem = ReadHostMemoryInfo(); mem.ok()) {
     m.have_memlock = true;
-    m.memlock_unlimited = rl.rlim_cur == RLIM_INFINITY;
-    m.memlock_limit = m.memlock_unlimited ? 0 : static_cast<uint64_t>(rl.rlim_cur);
+    m.memlock_unlimited = mem->memlock_limit_bytes == std::numeric_limits<uint64_t>::max();
+    m.memlock_limit = m.memlock_unlimited ? 0 : mem->memlock_limit_bytes;
+  }
+  struct rlimit rl {};
+  if (getrlimit(RLIMIT_MEMLOCK, &rl) == 0 && rl.rlim_cur != RLIM_INFINITY) {
+    m.memlock_rlimit = static_cast<uint64_t>(rl.rlim_cur);
+    m.memlock_by_capability = m.memlock_unlimited;
   }
   struct statvfs vfs {};
   if (statvfs("/dev/shm", &vfs) == 0) {

@@ -1,7 +1,7 @@
 // What slidedpctl's `estimate` and `doctor` read about this machine: /proc/meminfo, the memlock
-// rlimit, /dev/shm (statvfs), transparent hugepages, NUMA nodes, NVIDIA GPUs and CPU counts.
-// No daemon is involved. Every probe that fails leaves its `have_*` flag false (never throws).
-// Thread-safe (reads files and calls getrlimit/statvfs/sysconf only).
+// limit (CAP_IPC_LOCK or RLIMIT_MEMLOCK), /dev/shm (statvfs), transparent hugepages, NUMA nodes,
+// NVIDIA GPUs and CPU counts. No daemon is involved. Every probe that fails leaves its `have_*`
+// flag false (never throws). Thread-safe (reads files and calls getrlimit/statvfs/sysconf only).
 #pragma once
 
 #include <cstdint>
@@ -24,9 +24,13 @@ struct MachineInfo {
   uint64_t hugepages_free = 0;   // HugePages_Free (pages)
   uint64_t hugepage_size = 0;    // Hugepagesize (bytes)
 
-  bool have_memlock = false;  // getrlimit(RLIMIT_MEMLOCK) succeeded
+  // What this process may mlock, judged as hostd judges it (common/shm_segment.h
+  // ReadHostMemoryInfo): unlimited with CAP_IPC_LOCK or an unlimited RLIMIT_MEMLOCK.
+  bool have_memlock = false;  // ReadHostMemoryInfo succeeded
   bool memlock_unlimited = false;
-  uint64_t memlock_limit = 0;  // soft limit in bytes (meaningless when unlimited)
+  uint64_t memlock_limit = 0;          // soft RLIMIT_MEMLOCK in bytes (meaningless when unlimited)
+  bool memlock_by_capability = false;  // unlimited through CAP_IPC_LOCK despite a finite rlimit
+  uint64_t memlock_rlimit = 0;         // that finite soft limit (0: unlimited or unknown)
 
   bool have_dev_shm = false;  // statvfs("/dev/shm") succeeded
   uint64_t dev_shm_size = 0;

@@ -118,6 +118,14 @@ Table LayersTable(const LayerList& layers) {
   return table;
 }
 
+RankList AttachedRanks(const RankList& ranks) {
+  RankList attached;
+  for (const v1::RankStatus& rank : ranks) {
+    if (rank.attached()) *attached.Add() = rank;
+  }
+  return attached;
+}
+
 Table RanksTable(const RankList& ranks) {
   Table table({{"RANK", Align::kRight},
                {"PID", Align::kRight},
@@ -127,12 +135,21 @@ Table RanksTable(const RankList& ranks) {
                {"LAST_STEP", Align::kRight},
                {"HEARTBEAT", Align::kRight}});
   for (const v1::RankStatus& rank : ranks) {
+    if (!rank.attached()) continue;
     table.AddRow({absl::StrCat(rank.rank()), absl::StrCat(rank.pid()), rank.hostname(),
                   rank.gpu() < 0 ? "cpu" : absl::StrCat(rank.gpu()),
                   rank.connected() ? "yes" : "no", absl::StrCat(rank.last_step()),
                   absl::StrCat(FormatDurationMs(rank.ms_since_heartbeat()), " ago")});
   }
   return table;
+}
+
+void PrintRanks(const RankList& ranks, std::ostream& out) {
+  if (AttachedRanks(ranks).empty()) {
+    out << "no rank attached (world size " << ranks.size() << ")\n";
+    return;
+  }
+  RanksTable(ranks).Print(out);
 }
 
 Table ConfigTable(const v1::GetConfigResponse& config) {

@@ -33,8 +33,13 @@ nlohmann::ordered_json VersionToJson(const v1::BuildInfo& client, const v1::Buil
 // Columns LAYER NAME KIND PARAMS VERSION BYTES NUMA SKIPPED; sizes human-readable, numbers
 // right-aligned.
 Table LayersTable(const LayerList& layers);
-// Columns RANK PID HOST GPU CONNECTED LAST_STEP HEARTBEAT.
+// The ranks that are attached (ListRanks answers one entry per slot of the world size; a slot
+// no rank holds is not a rank).
+RankList AttachedRanks(const RankList& ranks);
+// Columns RANK PID HOST GPU CONNECTED LAST_STEP HEARTBEAT, one row per attached rank.
 Table RanksTable(const RankList& ranks);
+// `ranks` for humans: RanksTable, or "no rank attached (world size N)" when none is.
+void PrintRanks(const RankList& ranks, std::ostream& out);
 // Columns KEY VALUE SOURCE.
 Table ConfigTable(const v1::GetConfigResponse& config);
 // Columns KEY VALUE: every GetStatsResponse field, doubles with 6 significant digits.

@@ -1,5 +1,6 @@
 #include "slidedpctl/render.h"
 
+#include <algorithm>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -72,6 +73,24 @@ TEST(PrintStatusTest, ShowsOptimizerAndRoutes) {
   EXPECT_THAT(out.str(), HasSubstr("clip global at 1"));
   EXPECT_THAT(out.str(), HasSubstr("params replicated, grads cpu_reduction, chunk 4.0 MiB"));
   EXPECT_THAT(out.str(), HasSubstr("4.3G params"));
+}
+
+TEST(RanksTest, SlotsNoRankHoldsAreNotRows) {
+  RankList ranks = testing::CannedRanks().ranks();
+  v1::RankStatus* empty = ranks.Add();  // a third slot, never attached
+  empty->set_rank(2);
+  EXPECT_EQ(AttachedRanks(ranks).size(), 2);
+  std::ostringstream printed;
+  RanksTable(ranks).Print(printed);
+  const std::string table = printed.str();
+  EXPECT_EQ(std::count(table.begin(), table.end(), '\n'), 3) << table;  // header + 2 ranks
+  EXPECT_THAT(table, ::testing::Not(::testing::ContainsRegex("\n +2 ")));
+
+  RankList none;
+  none.Add()->set_rank(0);
+  std::ostringstream out;
+  PrintRanks(none, out);
+  EXPECT_EQ(out.str(), "no rank attached (world size 1)\n");
 }
 
 }  // namespace

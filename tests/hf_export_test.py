@@ -20,8 +20,11 @@ Stated tolerances:
     loaded lm_head is the embedding.
 Also: an export while steps run (it waits for a step boundary and holds the next step; training
 goes on after it), and bad input through slidedpctl: a non-empty out_dir (refused, then
---overwrite), unknown --dtype, a parent that is a file, a relative --out (made absolute by
-slidedpctl), and layers updated by the ranks (nondecoder="resident": refused naming them).
+--overwrite replaces the earlier export), --overwrite of a directory holding files hostd did not
+write (refused naming them, nothing removed), an out_dir outside hostd's output_roots (the test's
+temporary directory; refused, also through ".." and a symlink), unknown --dtype, a parent that is
+a file, a relative --out (made absolute by slidedpctl), and layers updated by the ranks
+(nondecoder="resident": refused naming them).
 Takes about 1 minute on 2 idle cores (4 minutes with the machine's 2 cores at load 15).
 """
 import json
@@ -74,7 +77,8 @@ class HfExportTest(unittest.TestCase):
         self.logs.append(log)
         p = subprocess.Popen([HOSTD, "--model", model_dir, "--socket", sock,
                               "--instance", f"exp{os.getpid()}{tag}", "--mlock", "best_effort",
-                              "--update_threads", "1", "--lr", "1e-3", "--grad_dtype", "fp32"],
+                              "--update_threads", "1", "--lr", "1e-3", "--grad_dtype", "fp32",
+                              "--output_roots", self.tmp],
                              stdout=log, stderr=subprocess.STDOUT)
         self.procs.append(p)
         deadline = time.time() + 60
@@ -190,8 +194,37 @@ class HfExportTest(unittest.TestCase):
         self.assertIn("--dtype: 'fp16', expected bf16 or fp32", r.stderr)
         r = self.ctl(sock, "export", "--out", os.path.join(out, "config.json", "x"), expect=4)
         self.assertIn("is not a directory", r.stderr)
-        r = self.ctl(sock, "export", "--out", "/nonexistent-dir/x", expect=4)
-        self.assertIn("/nonexistent-dir does not exist", r.stderr)
+        missing = os.path.join(self.tmp, "nonexistent-dir")
+        r = self.ctl(sock, "export", "--out", os.path.join(missing, "x"), expect=4)
+        self.assertIn(f"{missing} does not exist", r.stderr)
+        # --overwrite replaces an earlier export of hostd, never anything else (issue #17).
+        mine = os.path.join(self.tmp, "mine")
+        os.makedirs(os.path.join(mine, "sub"))
+        with open(os.path.join(mine, "notes.txt"), "w") as f:
+            f.write("not hostd's")
+        r = self.ctl(sock, "export", "--out", mine, "--overwrite", expect=4)
+        self.assertIn("FAILED_PRECONDITION", r.stderr)
+        self.assertIn(f"{mine} holds entries hostd did not write: notes.txt, sub/", r.stderr)
+        self.assertEqual(sorted(os.listdir(mine)), ["notes.txt", "sub"])
+        with open(os.path.join(out, "extra.txt"), "w") as f:  # an export, plus a file
+            f.write("added by a user")
+        r = self.ctl(sock, "export", "--out", out, "--overwrite", expect=4)
+        self.assertIn("holds entries hostd did not write: extra.txt", r.stderr)
+        self.assertTrue(os.path.exists(os.path.join(out, "extra.txt")))
+        self.assertTrue(os.path.exists(os.path.join(out, "model.safetensors")))
+        # Outside output_roots (the test's directory): refused, also through ".." and symlinks.
+        outside = tempfile.mkdtemp(prefix="slidedp-export-outside-")
+        try:
+            os.symlink(outside, os.path.join(self.tmp, "link-out"))
+            for bad in (os.path.join(outside, "x"), os.path.join(self.tmp, "..", "x"),
+                        os.path.join(self.tmp, "link-out", "x")):
+                r = self.ctl(sock, "export", "--out", bad, expect=4)
+                self.assertIn("PERMISSION_DENIED", r.stderr)
+                self.assertIn(f"is not below one of output_roots ({self.tmp})", r.stderr)
+                self.assertIn("set output_roots", r.stderr)
+            self.assertEqual(os.listdir(outside), [])
+        finally:
+            os.rmdir(outside)
         if os.geteuid() != 0:
             ro = os.path.join(self.tmp, "ro")
             os.mkdir(ro, 0o500)

@@ -154,6 +154,35 @@ class HostdCliTest(unittest.TestCase):
                                     "model.norm"])
         self.assertEqual(d2.stop(), 0)
 
+    def test_ranks_and_checkpoint_dirs(self):
+        """Issue #17: no phantom row for a slot no rank holds; a checkpoint --dir is sent
+        absolute (relative to slidedpctl's working directory) and must lie under checkpoint.dir
+        or output_roots."""
+        ckpt = os.path.join(self.tmp, "ckpt")
+        root = os.path.join(self.tmp, "root")
+        os.makedirs(root)
+        d = self.start("tiny", "dirs", "--checkpoint.dir", ckpt, "--output_roots", root,
+                       "--checkpoint.prepare_snapshot_pool", "false")
+        r = d.ctl("ranks")
+        self.assertEqual(r.stdout, "no rank attached (world size 1)\n")
+        self.assertEqual(json.loads(d.ctl("ranks", "--json").stdout), [])
+
+        ctl = [SLIDEDPCTL, "--socket", d.socket, "checkpoint", "--json"]
+        r = subprocess.run(ctl + ["--dir", "rel"], cwd=root, capture_output=True, text=True,
+                           timeout=120)
+        self.assertEqual(r.returncode, 0, r.stderr)
+        step0 = os.path.join(root, "rel", "step-000000000000")
+        self.assertEqual(json.loads(r.stdout)["path"], step0)
+        self.assertTrue(os.path.exists(os.path.join(step0, "COMMITTED")))
+        outside = os.path.join(self.tmp, "outside")
+        for bad in (outside, os.path.join(root, "..", "outside"), os.path.join(ckpt, "..", "x")):
+            r = subprocess.run(ctl + ["--dir", bad], capture_output=True, text=True, timeout=60)
+            self.assertEqual(r.returncode, 4, r.stderr)
+            self.assertIn("PERMISSION_DENIED", r.stderr)
+            self.assertIn(f"output_roots ({root})", r.stderr)
+        self.assertFalse(os.path.exists(outside))
+        self.assertEqual(d.stop(), 0, d.output())
+
     def test_second_daemon_same_instance_is_refused_and_state_kept(self):
         d = self.start("tiny", "dup")
         before = json.loads(d.ctl("status", "--json").stdout)
