@@ -98,6 +98,7 @@ absl::Status UpdateWorker::Submit(uint32_t layer, uint64_t step, GradientRef gra
   absl::MutexLock lock(&mu_);
   if (absl::Status s = CheckSubmitLocked(layer, step); !s.ok()) return s;
   submitted_[step][layer] = true;
+  StepClipLocked(step);
   queue_.push_back(Item{.kind = ItemKind::kLayer,
                         .layer = layer,
                         .step = step,
@@ -121,17 +122,20 @@ absl::StatusOr<bool> UpdateWorker::BeginStreamedLayer(uint32_t layer, uint64_t s
                                                    sum_squares));
   }
   absl::MutexLock lock(&mu_);
-  if (optimizer_.clip() == slidedp::v1::CLIP_POLICY_GLOBAL) return false;
   if (absl::Status s = CheckSubmitLocked(layer, step); !s.ok()) return s;
+  const slidedp::v1::ClipPolicy clip = StepClipLocked(step);
+  if (clip == slidedp::v1::CLIP_POLICY_GLOBAL) return false;
   submitted_[step][layer] = true;
   open_streams_[layer] = OpenStream{step, 0};
+  slidedp::v1::OptimizerConfig cfg = optimizer_;
+  cfg.set_clip(clip);
   queue_.push_back(Item{.kind = ItemKind::kStreamBegin,
                         .layer = layer,
                         .step = step,
                         .done = std::move(done),
                         .sum_squares = sum_squares,
                         .nonfinite = nonfinite,
-                        .cfg = optimizer_});
+                        .cfg = std::move(cfg)});
   return true;
 }
 
@@ -168,6 +172,23 @@ absl::Status UpdateWorker::SubmitRange(uint32_t layer, uint64_t step, uint64_t o
                         .released = std::move(released),
                         .offset = offset});
   return absl::OkStatus();
+}
+
+slidedp::v1::ClipPolicy UpdateWorker::ClipOfStep(uint64_t step) {
+  absl::MutexLock lock(&mu_);
+  return StepClipLocked(step);
+}
+
+slidedp::v1::ClipPolicy UpdateWorker::StepClipLocked(uint64_t step) {
+  // The policy in effect when a step's first gradient arrives is the step's: a change while the
+  // step runs (UpdateHyperParams) takes effect with the next one. Switched to global halfway,
+  // the step would wait for gradients already applied; switched away, it would never release
+  // the layers it holds.
+  auto [it, inserted] = step_clip_.emplace(step, optimizer_.clip());
+  if (inserted) {
+    while (step_clip_.size() > 4) step_clip_.erase(step_clip_.begin());
+  }
+  return it->second;
 }
 
 std::vector<uint32_t> UpdateWorker::TornLayers() const {
@@ -308,9 +329,11 @@ void UpdateWorker::ApplyKernel(uint32_t layer, uint64_t step, const GradientRef&
 
 LayerUpdateResult UpdateWorker::UpdateLayerNow(uint32_t layer, uint64_t step,
                                                const GradientRef& grad, double clip_coef_override,
-                                               const kernels::GradStats* precomputed) {
+                                               const kernels::GradStats* precomputed,
+                                               std::optional<slidedp::v1::ClipPolicy> clip) {
   const auto t0 = Clock::now();
   slidedp::v1::OptimizerConfig cfg = optimizer();
+  if (clip) cfg.set_clip(*clip);
   LayerUpdateResult r;
   r.layer = layer;
   r.step = step;
@@ -495,6 +518,7 @@ void UpdateWorker::Run() {
   for (;;) {
     std::vector<Item> batch;
     bool global = false;
+    slidedp::v1::ClipPolicy clip = slidedp::v1::CLIP_POLICY_NONE;
     const auto wait0 = Clock::now();
     bool waited = false;
     {
@@ -511,7 +535,8 @@ void UpdateWorker::Run() {
       if (item.kind != ItemKind::kLayer) {
         batch.push_back(std::move(item));
       } else {
-        global = optimizer_.clip() == slidedp::v1::CLIP_POLICY_GLOBAL;
+        clip = StepClipLocked(item.step);
+        global = clip == slidedp::v1::CLIP_POLICY_GLOBAL;
         if (global) {
           auto& pending = pending_global_[item.step];
           pending.push_back(std::move(item));
@@ -539,7 +564,8 @@ void UpdateWorker::Run() {
         break;
     }
     if (!global) {
-      LayerUpdateResult r = UpdateLayerNow(batch[0].layer, batch[0].step, batch[0].grad);
+      LayerUpdateResult r =
+          UpdateLayerNow(batch[0].layer, batch[0].step, batch[0].grad, -1, nullptr, clip);
       Finish(batch[0], r);
       continue;
     }

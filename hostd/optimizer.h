@@ -43,6 +43,7 @@
 #include <functional>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <thread>
 #include <vector>
 
@@ -163,9 +164,13 @@ class UpdateWorker {
   using BeforeWriteFn = std::function<void(uint32_t layer, uint64_t step)>;
   void SetBeforeWriteHook(BeforeWriteFn hook) { before_write_ = std::move(hook); }
 
-  // Takes effect for updates that start afterwards.
+  // Takes effect for updates that start afterwards; a change of the clip policy with the next
+  // step (see StepClipLocked).
   void SetOptimizer(const slidedp::v1::OptimizerConfig& optimizer);
   slidedp::v1::OptimizerConfig optimizer() const;
+  // The clip policy step `step` runs with: the config's when the step's first gradient (or this
+  // call) came; a later change of the config takes effect with the next step.
+  slidedp::v1::ClipPolicy ClipOfStep(uint64_t step);
   UpdateStats stats() const;
   kernels::Isa isa() const { return options_.isa; }
 
@@ -173,9 +178,11 @@ class UpdateWorker {
   // tests and benchmarks. `clip_coef_override` < 0: computed from the config.
   // `stats`: the gradient's statistics when already computed (global clipping computes them
   // for the norm), else null.
+  // `clip`: the step's clip policy (the config's when absent).
   LayerUpdateResult UpdateLayerNow(uint32_t layer, uint64_t step, const GradientRef& grad,
                                    double clip_coef_override = -1,
-                                   const kernels::GradStats* stats = nullptr);
+                                   const kernels::GradStats* stats = nullptr,
+                                   std::optional<slidedp::v1::ClipPolicy> clip = std::nullopt);
 
  private:
   enum class ItemKind {
@@ -214,6 +221,8 @@ class UpdateWorker {
   };
 
   absl::Status CheckSubmitLocked(uint32_t layer, uint64_t step) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The clip policy of `step`: the config's when the step's first gradient arrived.
+  slidedp::v1::ClipPolicy StepClipLocked(uint64_t step) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void Seal(uint64_t step);
   void BeginStream(Item& item);
   void ApplyStreamRange(Item& item);
@@ -239,6 +248,7 @@ class UpdateWorker {
   // For global clipping: the items of a step collected until every layer has arrived.
   std::map<uint64_t, std::vector<Item>> pending_global_ ABSL_GUARDED_BY(mu_);
   std::map<uint64_t, std::vector<bool>> submitted_ ABSL_GUARDED_BY(mu_);
+  std::map<uint64_t, slidedp::v1::ClipPolicy> step_clip_ ABSL_GUARDED_BY(mu_);  // latest steps
   std::map<uint32_t, OpenStream> open_streams_ ABSL_GUARDED_BY(mu_);  // by layer
   std::vector<uint32_t> torn_ ABSL_GUARDED_BY(mu_);                   // ascending
   uint64_t aborted_through_ ABSL_GUARDED_BY(mu_) = 0;  // every step <= this is aborted

@@ -589,7 +589,7 @@ int GradientReducer::AcquireBufferLocked() {
       return static_cast<int>(b);
     }
   }
-  if (worker_ != nullptr && worker_->optimizer().clip() == slidedp::v1::CLIP_POLICY_GLOBAL &&
+  if (worker_ != nullptr && worker_->ClipOfStep(armed_step_) == slidedp::v1::CLIP_POLICY_GLOBAL &&
       buffers_.size() < state_->num_layers()) {
     buffers_.emplace_back();
     buffers_.back().data.resize(buffer_elems_);
