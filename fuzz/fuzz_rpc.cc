@@ -105,7 +105,7 @@ class Harness {
     c.routes.set_chunk_bytes(4096);
     engine_ = Engine::Create(c, {}, FixedTopology()).value();
   }
-  ~Harness() { engine_->Shutdown(/*remove_state=*/true); }
+  ~Harness() { engine_->Shutdown(/*remove_state=*/true).IgnoreError(); }
 
   void CreateDefaultJob() {
     v1::CreateJobRequest req;

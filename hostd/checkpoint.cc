@@ -133,7 +133,8 @@ absl::Status CheckCheckpointManifest(const CheckpointInfo& info,
       "), but the job's model has manifest ", have, " (", manifest.name(), "); ", diff));
 }
 
-absl::Status RestoreCheckpoint(const CheckpointInfo& info, TrainingState* state, ThreadPool* pool) {
+absl::Status RestoreCheckpoint(const CheckpointInfo& info, TrainingState* state, ThreadPool* pool,
+                               const std::function<bool(uint32_t layers_done)>& progress) {
   RETURN_IF_ERROR(CheckCheckpointManifest(info, state->model().manifest));
   if (info.files.size() != state->num_layers()) {
     return absl::DataLossError(absl::StrCat("checkpoint ", info.path, ": ", info.files.size(),
@@ -147,6 +148,7 @@ absl::Status RestoreCheckpoint(const CheckpointInfo& info, TrainingState* state,
     }
   }
   const kernels::Isa isa = kernels::BestIsa();
+  uint32_t restored = 0;
   for (const CheckpointFile& f : info.files) {
     const std::string path = (fs::path(info.path) / f.name).string();
     const int fd = open(path.c_str(), O_RDONLY | O_CLOEXEC);
@@ -187,6 +189,11 @@ absl::Status RestoreCheckpoint(const CheckpointInfo& info, TrainingState* state,
       pool->ParallelFor(f.numel, 64, cast);
     } else {
       cast(0, f.numel, 0);
+    }
+    ++restored;
+    if (progress && !progress(restored)) {
+      return absl::CancelledError(absl::StrCat("the restore of checkpoint ", info.path,
+                                               " was cancelled after ", restored, " layers"));
     }
   }
   for (uint32_t l = 0; l < state->num_layers(); ++l) {

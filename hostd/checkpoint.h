@@ -81,7 +81,10 @@ absl::Status CheckCheckpointManifest(const CheckpointInfo& info,
 // first, before any byte of the state changes; a checksum or read error in a layer file is
 // reported (DATA_LOSS naming the file) after earlier layers were loaded: the caller must then
 // discard the state (hostd does, and no job is created).
-absl::Status RestoreCheckpoint(const CheckpointInfo& info, TrainingState* state, ThreadPool* pool);
+// `progress(layers_done)`, when given, is called after each layer; false stops the restore
+// (CANCELLED).
+absl::Status RestoreCheckpoint(const CheckpointInfo& info, TrainingState* state, ThreadPool* pool,
+                               const std::function<bool(uint32_t layers_done)>& progress = nullptr);
 
 struct CheckpointStats {
   uint64_t checkpoints_started = 0;

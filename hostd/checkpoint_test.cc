@@ -916,9 +916,20 @@ TEST(CheckpointScopeEngineTest, InstancesSharingADirectoryNeitherPruneNorRestore
     TrainingState* s = e.state();
     for (uint32_t l = s->num_layers(); l-- > 0;) {
       std::vector<uint16_t> g(s->layers()[l].numel, kernels::RoundToBf16(1e-2f * (1 + t + l)));
-      ASSERT_TRUE(e.SubmitGradient(l, t, {g.data(), kernels::GradType::kBf16, g.size()}).ok());
+      absl::Status submitted =
+          e.SubmitGradient(l, t, {g.data(), kernels::GradType::kBf16, g.size()});
+      ASSERT_TRUE(submitted.ok()) << submitted;
       ASSERT_TRUE(e.WaitLayerVersion(l, t, std::chrono::seconds(30)).ok());
     }
+    // The last layer's version is published just before the worker's callback closes the step:
+    // the next step's first gradient must not come in between.
+    for (int i = 0; i < 30000; ++i) {
+      auto st = e.GetStats(v1::GetStatsRequest());
+      ASSERT_TRUE(st.ok()) << st.status();
+      if (st->steps_completed() >= t) return;
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    FAIL() << "step " << t << " did not complete";
   };
   auto checkpoint = [](Engine& e, uint64_t t) {
     v1::CheckpointRequest req;
@@ -947,8 +958,8 @@ TEST(CheckpointScopeEngineTest, InstancesSharingADirectoryNeitherPruneNorRestore
     for (uint32_t l = 0; l < (*ea)->state()->num_layers(); ++l) {
       sums_a.push_back((*ea)->state()->LayerChecksum(l));
     }
-    (*ea)->Shutdown(/*remove_state=*/true);
-    (*eb)->Shutdown(/*remove_state=*/true);
+    (*ea)->Shutdown(/*remove_state=*/true).IgnoreError();
+    (*eb)->Shutdown(/*remove_state=*/true).IgnoreError();
   }
   std::set<std::string> names;
   for (const auto& e : fs::directory_iterator(ck)) names.insert(e.path().filename().string());
@@ -975,7 +986,7 @@ TEST(CheckpointScopeEngineTest, InstancesSharingADirectoryNeitherPruneNorRestore
   ASSERT_TRUE(status.ok());
   EXPECT_EQ(fs::path(status->job().resumed_from()).filename(),
             CheckpointDirName(4, {ia, "default"}));
-  e.Shutdown(/*remove_state=*/true);
+  e.Shutdown(/*remove_state=*/true).IgnoreError();
   again->reset();
   fs::remove_all(dir);
 }

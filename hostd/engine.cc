@@ -13,6 +13,7 @@
 #include <random>
 #include <utility>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
@@ -142,13 +143,19 @@ slidedp::v1::BuildInfo DaemonBuildInfo() {
   return b;
 }
 
-Engine::Engine(HostdConfig config, std::vector<ConfigEntry> entries)
-    : config_(std::move(config)), entries_(std::move(entries)), started_(SteadyClock::now()) {}
+Engine::Engine(HostdConfig config, std::vector<ConfigEntry> entries,
+               CreationProgressFn creation_progress)
+    : config_(std::move(config)),
+      entries_(std::move(entries)),
+      started_(SteadyClock::now()),
+      creation_progress_(std::move(creation_progress)) {}
 
 absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const HostdConfig& config,
                                                        std::vector<ConfigEntry> entries,
-                                                       std::optional<Topology> topology) {
-  std::unique_ptr<Engine> e(new Engine(config, std::move(entries)));
+                                                       std::optional<Topology> topology,
+                                                       CreationProgressFn creation_progress) {
+  std::unique_ptr<Engine> e(
+      new Engine(config, std::move(entries), std::move(creation_progress)));
   RETURN_IF_ERROR(e->Init(std::move(topology)));
   return e;
 }
@@ -200,8 +207,8 @@ absl::Status Engine::Init(std::optional<Topology> topology) {
     *spec.mutable_routes() = config_.routes;
     spec.set_world_size(config_.world_size);  // any world size may resume
     spec.clear_manifest();
-    absl::MutexLock lock(&mu_);
-    RETURN_IF_ERROR(CreateJobLocked(std::move(spec), std::move(model), model_dir, &info));
+    RETURN_IF_ERROR(ClaimCreation(spec.job_id()));
+    RETURN_IF_ERROR(CreateJobUnlocked(std::move(spec), std::move(model), model_dir, &info));
   } else if (config_.model != "none" && !config_.model.empty()) {
     ASSIGN_OR_RETURN(LoadedModel model, LoadModel(config_.model));
     slidedp::v1::JobSpec spec;
@@ -218,16 +225,16 @@ absl::Status Engine::Init(std::optional<Topology> topology) {
         std::filesystem::is_directory(config_.model, ec)) {
       model_dir = config_.model;
     }
-    absl::MutexLock lock(&mu_);
-    RETURN_IF_ERROR(CreateJobLocked(std::move(spec), std::move(model), model_dir));
+    RETURN_IF_ERROR(ClaimCreation(spec.job_id()));
+    RETURN_IF_ERROR(CreateJobUnlocked(std::move(spec), std::move(model), model_dir));
   }
   monitor_ = std::thread([this] { MonitorLoop(); });
   return absl::OkStatus();
 }
 
-Engine::~Engine() { Shutdown(/*remove_state=*/false); }
+Engine::~Engine() { Shutdown(/*remove_state=*/false).IgnoreError(); }
 
-void Engine::Shutdown(bool remove_state) {
+absl::Status Engine::Shutdown(bool remove_state) {
   stopping_.store(true);
   {
     absl::MutexLock lock(&mu_);
@@ -244,12 +251,17 @@ void Engine::Shutdown(bool remove_state) {
       }
     }
     monitor_stop_ = true;
+    // A job being created sees serving_ false at its next progress note and stops there (or
+    // completes its last phase); the rest of the stop needs it installed or gone.
+    auto no_creation = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return !creating_; };
+    mu_.Await(absl::Condition(&no_creation));
   }
   if (monitor_.joinable()) monitor_.join();
   if (reducer_) reducer_->Stop();
   if (worker_) worker_->Stop();
   // With the worker stopped every layer sits at its final version: a checkpoint in flight
   // completes from the live state, and a clean stop writes the final one.
+  absl::Status saved = absl::OkStatus();
   if (checkpointer_) {
     const uint64_t in_flight = checkpointer_->in_flight_step();
     if (in_flight != 0) {
@@ -263,53 +275,86 @@ void Engine::Shutdown(bool remove_state) {
         spdlog::warn("the checkpoint of step {} is cancelled: hostd stops before that step ran",
                      in_flight);
         checkpointer_->Cancel(absl::StrCat("hostd is stopping before step ", in_flight, " ran"));
+        (void)checkpointer_->Wait(in_flight, kCheckpointWaitMs);
       } else {
         spdlog::info("waiting for the checkpoint of step {} to commit", in_flight);
         checkpointer_->Unpace();
+        absl::StatusOr<CheckpointResult> done = checkpointer_->Wait(in_flight, kCheckpointWaitMs);
+        if (!done.ok()) {
+          saved = Annotate(done.status(), absl::StrCat("the checkpoint of step ", in_flight));
+        }
       }
-      (void)checkpointer_->Wait(in_flight, kCheckpointWaitMs);
     }
-    if (remove_state) FinalCheckpoint();
+    // A clean stop's own checkpoint; it also stands in for one in flight that failed.
+    if (remove_state) {
+      absl::Status final_saved = FinalCheckpoint();
+      if (final_saved.ok() && !saved.ok() &&
+          checkpointer_->last_committed().step >= checkpointer_->in_flight_step()) {
+        saved = absl::OkStatus();
+      }
+      if (!final_saved.ok()) saved = final_saved;
+    }
   }
-  if (state_ && remove_state) state_->set_remove_on_destroy(true);
+  if (!state_ || !remove_state) return saved;
+  if (!saved.ok()) {
+    // The shared memory is the only copy of what was trained since the last checkpoint: it
+    // stays, re-adoptable, for a hostd started again on the same configuration.
+    const std::string instance = config_.instance;
+    spdlog::error(
+        "keeping the training state in /dev/shm/slidedp.{}.* because {}; start hostd again with "
+        "the same configuration to re-adopt it (then checkpoint), or remove it with `slidedpctl "
+        "cleanup --instance {}`",
+        instance, std::string(saved.message()), instance);
+    return absl::DataLossError(absl::StrCat(
+        "no checkpoint holds the final state (", saved.message(),
+        "); the training state stays in /dev/shm/slidedp.", instance,
+        ".*: start hostd again with the same configuration to re-adopt it"));
+  }
+  state_->set_remove_on_destroy(true);
+  return absl::OkStatus();
 }
 
-void Engine::FinalCheckpoint() {
+absl::Status Engine::FinalCheckpoint() {
   std::string dir;
   CheckpointInfo info;
   uint64_t version = 0;
   {
     absl::MutexLock lock(&mu_);
-    if (!config_.checkpoint.on_stop || config_.checkpoint.dir.empty() || !job_ || !state_) return;
+    if (!config_.checkpoint.on_stop || config_.checkpoint.dir.empty() || !job_ || !state_) {
+      return absl::OkStatus();
+    }
     version = state_->committed_version(0);
     if (absl::Status s = CheckCheckpointableLocked(version); !s.ok()) {
-      spdlog::error("no final checkpoint: {}", std::string(s.message()));
-      return;
+      return Annotate(s, "no final checkpoint");
     }
     for (uint32_t l = 1; l < state_->num_layers(); ++l) {
       if (state_->committed_version(l) != version) {
-        spdlog::error("no final checkpoint: layer {} is at version {}, layer 0 at {}", l,
-                      state_->committed_version(l), version);
-        return;
+        return absl::FailedPreconditionError(
+            absl::StrCat("no final checkpoint: layer ", l, " is at version ",
+                         state_->committed_version(l), ", layer 0 at ", version));
       }
     }
-    if (version == start_step_) return;  // nothing trained since the start (or the resume)
+    if (version == start_step_) return absl::OkStatus();  // nothing trained since the start
     if (checkpointer_->last_committed().step == version &&
         !checkpointer_->last_committed().path.empty()) {
       spdlog::info("final checkpoint: step {} is already checkpointed ({})", version,
                    checkpointer_->last_committed().path);
-      return;
+      return absl::OkStatus();
     }
     dir = config_.checkpoint.dir;
     info = CheckpointDescriptionLocked();
   }
   spdlog::info("writing the final checkpoint of step {} to {}", version, dir);
   absl::Status s = checkpointer_->Start(dir, version, std::move(info));
-  if (absl::IsAlreadyExists(s)) return;
+  if (absl::IsAlreadyExists(s)) return absl::OkStatus();
   checkpointer_->Unpace();  // hostd is stopping: no training to spare
   absl::StatusOr<CheckpointResult> r = s.ok() ? checkpointer_->Wait(version, kCheckpointWaitMs)
                                               : absl::StatusOr<CheckpointResult>(s);
-  if (!r.ok()) spdlog::error("final checkpoint failed: {}", r.status().ToString());
+  if (!r.ok()) {
+    spdlog::error("final checkpoint failed: {}", r.status().ToString());
+    return Annotate(r.status(), absl::StrCat("the final checkpoint of step ", version));
+  }
+  return absl::OkStatus();
 }
 
 CheckpointInfo Engine::CheckpointDescriptionLocked() const {
@@ -596,6 +641,9 @@ absl::Status Engine::CheckServing() const {
 
 absl::Status Engine::CheckJob(absl::string_view job_id) const {
   RETURN_IF_ERROR(CheckServing());
+  if (!job_ && creating_) {
+    return absl::UnavailableError(absl::StrCat(CreationLineLocked(), "; retry once it exists"));
+  }
   if (!job_) {
     return absl::FailedPreconditionError(
         "no job exists yet: create one with CreateJob (or start hostd with --model)");
@@ -645,8 +693,61 @@ absl::StatusOr<slidedp::v1::HandshakeResponse> Engine::Handshake(
   return resp;
 }
 
-absl::Status Engine::CreateJobLocked(slidedp::v1::JobSpec spec, LoadedModel model,
-                                     const std::string& model_dir, const CheckpointInfo* resume) {
+absl::Status Engine::ClaimCreation(const std::string& job_id) {
+  absl::MutexLock lock(&mu_);
+  RETURN_IF_ERROR(CheckServing());
+  if (job_ || creating_) {
+    return absl::AlreadyExistsError(absl::StrCat(
+        "a job ", job_ ? "exists" : "is being created", " ('",
+        job_ ? job_->job_id() : creating_->job_id(), "'); this hostd serves one job"));
+  }
+  creating_.emplace();
+  creating_->set_job_id(job_id.empty() ? std::string("default") : job_id);
+  creating_->set_phase("checking");
+  creation_started_ = SteadyClock::now();
+  return absl::OkStatus();
+}
+
+bool Engine::NoteCreation(const char* phase, uint64_t done, uint64_t total, const char* unit) {
+  std::string line;
+  bool go_on = true;
+  {
+    absl::MutexLock lock(&mu_);
+    if (!creating_) return true;
+    creating_->set_phase(phase);
+    creating_->set_done(done);
+    creating_->set_total(total);
+    creating_->set_unit(unit);
+    go_on = serving_;
+    if (creation_progress_) line = CreationLineLocked();
+  }
+  if (creation_progress_) creation_progress_(line);
+  return go_on;
+}
+
+std::string Engine::CreationLineLocked() const {
+  const double elapsed =
+      std::chrono::duration<double>(SteadyClock::now() - creation_started_).count();
+  std::string progress;
+  if (creating_->total() > 0) {
+    progress = creating_->unit() == "bytes"
+                   ? absl::StrFormat(" %.1f/%.1f GiB", creating_->done() / 1073741824.0,
+                                     creating_->total() / 1073741824.0)
+                   : absl::StrCat(" ", creating_->done(), "/", creating_->total(), " ",
+                                  creating_->unit());
+  }
+  return absl::StrFormat("creating job '%s': %s%s (%.0f s)", creating_->job_id(),
+                         creating_->phase(), progress, elapsed);
+}
+
+absl::Status Engine::CreateJobUnlocked(slidedp::v1::JobSpec spec, LoadedModel model,
+                                       const std::string& model_dir,
+                                       const CheckpointInfo* resume) {
+  // This call owns the creation (ClaimCreation); it ends with the call, whatever the outcome.
+  absl::Cleanup ended = [this] {
+    absl::MutexLock lock(&mu_);
+    creating_.reset();
+  };
   ASSIGN_OR_RETURN(spec, NormalizeJobSpec(std::move(spec), config_.routes));
   const slidedp::v1::Routes* routes = &spec.routes();
   TrainingState::Options so;
@@ -661,6 +762,9 @@ absl::Status Engine::CreateJobLocked(slidedp::v1::JobSpec spec, LoadedModel mode
              : config_.mlock == "best_effort" ? MlockPolicy::kBestEffort
                                               : MlockPolicy::kRequired;
   so.seed = spec.seed();
+  so.progress = [this](const char* phase, uint64_t done, uint64_t total, const char* unit) {
+    return NoteCreation(phase, done, total, unit);
+  };
   // A resumed job's weights come from the checkpoint: the cheapest init, then the restore.
   const WeightsInit init = resume != nullptr ? WeightsInit{WeightsInit::Kind::kZeros, ""}
                                              : ResolveWeightsInit(config_.init, model_dir);
@@ -708,6 +812,7 @@ absl::Status Engine::CreateJobLocked(slidedp::v1::JobSpec spec, LoadedModel mode
     if (!found.ok()) return std::nullopt;
     return found->path;
   };
+  NoteCreation("recovering", 0, 0, "");
   ASSIGN_OR_RETURN(Recovered recovered, RecoverInstance(so, policy, find_checkpoint));
   std::optional<CheckpointInfo> recovery_checkpoint;
   if (recovered.plan.action == RecoveryPlan::Action::kRestoreCheckpoint && resume == nullptr) {
@@ -719,14 +824,22 @@ absl::Status Engine::CreateJobLocked(slidedp::v1::JobSpec spec, LoadedModel mode
     recovery_checkpoint = std::move(*info);
     resume = &*recovery_checkpoint;
   }
+  // The long part (populating, initializing or importing, restoring: minutes for a large
+  // model) runs without mu_: status queries, the watchdog's among them, answer meanwhile.
   const auto t0 = SteadyClock::now();
+  std::unique_ptr<TrainingState> state;
+  uint64_t next_step = 1;
+  uint64_t steps_completed = 0;
+  uint64_t start_step = 0;
+  std::string resumed_from;
+  std::optional<uint64_t> client_copy_version = 0;
   if (recovered.plan.action == RecoveryPlan::Action::kAdopt) {
-    state_ = std::move(recovered.state);
-    client_copy_version_.reset();  // the client-updated layers' state lived in the ranks
-    next_step_ = recovered.plan.step + 1;
-    steps_completed_ = recovered.plan.step;
+    state = std::move(recovered.state);
+    client_copy_version.reset();  // the client-updated layers' state lived in the ranks
+    next_step = recovered.plan.step + 1;
+    steps_completed = recovered.plan.step;
     spdlog::info("re-adopted job {} at step {} (instance '{}'; the job continues at step {})",
-                 spec.job_id(), recovered.plan.step, config_.instance, next_step_);
+                 spec.job_id(), recovered.plan.step, config_.instance, next_step);
   } else {
     if (recovered.plan.action == RecoveryPlan::Action::kStartFresh) {
       spdlog::warn(
@@ -734,34 +847,47 @@ absl::Status Engine::CreateJobLocked(slidedp::v1::JobSpec spec, LoadedModel mode
           "re-adopted ({})",
           spec.job_id(), recovered.plan.reason);
     }
-    ASSIGN_OR_RETURN(state_, TrainingState::Create(so, pool_.get()));
-    client_copy_version_ = 0;
+    ASSIGN_OR_RETURN(state, TrainingState::Create(so, pool_.get()));
   }
   spdlog::info(
       "job '{}': model {} ({}), {} layers, {} parameters, weights {}, {:.2f} GiB shared memory, "
       "created in {:.2f} s",
-      spec.job_id(), state_->model().manifest.name(), state_->model().source, state_->num_layers(),
-      state_->total_params(), state_->weights_source(),
-      static_cast<double>(state_->shm_bytes()) / (1ull << 30),
+      spec.job_id(), state->model().manifest.name(), state->model().source, state->num_layers(),
+      state->total_params(), state->weights_source(),
+      static_cast<double>(state->shm_bytes()) / (1ull << 30),
       std::chrono::duration<double>(SteadyClock::now() - t0).count());
   if (resume != nullptr) {
     const auto r0 = SteadyClock::now();
-    absl::Status restored = RestoreCheckpoint(*resume, state_.get(), pool_.get());
+    const uint32_t layers = state->num_layers();
+    NoteCreation("restoring checkpoint", 0, layers, "layers");
+    absl::Status restored = RestoreCheckpoint(
+        *resume, state.get(), pool_.get(), [this, layers](uint32_t done) {
+          return NoteCreation("restoring checkpoint", done, layers, "layers");
+        });
     if (!restored.ok()) {
       // No job comes into existence: the half-restored state is removed.
-      state_->set_remove_on_destroy(true);
-      state_.reset();
+      state->set_remove_on_destroy(true);
       return Annotate(restored, "resume");
     }
-    next_step_ = resume->step + 1;
-    steps_completed_ = resume->step;
-    resumed_from_ = resume->path;
-    start_step_ = resume->step;
-    client_copy_version_ = resume->step;  // checkpoints hold every layer, the ranks' ones too
+    next_step = resume->step + 1;
+    steps_completed = resume->step;
+    resumed_from = resume->path;
+    start_step = resume->step;
+    client_copy_version = resume->step;  // checkpoints hold every layer, the ranks' ones too
     spdlog::info("resumed from checkpoint {} (step {}, {:.2f} GB) in {:.2f} s; next step {}",
                  resume->path, resume->step, static_cast<double>(resume->total_bytes) / 1e9,
-                 std::chrono::duration<double>(SteadyClock::now() - r0).count(), next_step_);
+                 std::chrono::duration<double>(SteadyClock::now() - r0).count(), next_step);
   }
+  NoteCreation("starting the update worker", 0, 0, "");
+  absl::MutexLock lock(&mu_);
+  // Installed even when hostd began stopping meanwhile: Shutdown then treats it like any job
+  // (a re-adopted one's final checkpoint, a fresh one's segments removed).
+  state_ = std::move(state);
+  next_step_ = next_step;
+  steps_completed_ = steps_completed;
+  start_step_ = start_step;
+  resumed_from_ = resumed_from;
+  client_copy_version_ = client_copy_version;
   *spec.mutable_manifest() = state_->model().manifest;
   UpdateWorker::Options wo;
   wo.isa = isa_;
@@ -860,9 +986,15 @@ absl::StatusOr<slidedp::v1::CreateJobResponse> Engine::CreateJob(
     }
   }
   RETURN_IF_ERROR(ValidateManifest(manifest));
-  absl::MutexLock lock(&mu_);
-  RETURN_IF_ERROR(CheckServing());
-  if (job_) {
+  {
+    absl::MutexLock lock(&mu_);
+    RETURN_IF_ERROR(CheckServing());
+    // Another CreateJob (another rank of the same training job, usually) first: then this one
+    // is the same job's (idempotent) or refused.
+    auto idle = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return !creating_ || !serving_; };
+    mu_.Await(absl::Condition(&idle));
+    RETURN_IF_ERROR(CheckServing());
+    if (job_) {
     const uint64_t want = ManifestHash(manifest);
     if (want == state_->manifest_hash() &&
         (r.spec().job_id().empty() || r.spec().job_id() == job_->job_id())) {
@@ -875,6 +1007,7 @@ absl::StatusOr<slidedp::v1::CreateJobResponse> Engine::CreateJob(
         absl::StrCat("a job already exists ('", job_->job_id(), "', manifest ",
                      ManifestHashHex(state_->manifest_hash()),
                      "); this hostd serves one job; requested manifest ", ManifestHashHex(want)));
+    }
   }
   LoadedModel model;
   model.manifest = manifest;
@@ -891,8 +1024,11 @@ absl::StatusOr<slidedp::v1::CreateJobResponse> Engine::CreateJob(
     if (spec.seed() == 0) spec.set_seed(resume->spec.seed());
   }
   spec.clear_manifest();
-  RETURN_IF_ERROR(CreateJobLocked(std::move(spec), std::move(model), /*model_dir=*/"",
-                                  resume ? &*resume : nullptr));
+  RETURN_IF_ERROR(ClaimCreation(spec.job_id()));
+  RETURN_IF_ERROR(CreateJobUnlocked(std::move(spec), std::move(model), /*model_dir=*/"",
+                                    resume ? &*resume : nullptr));
+  absl::MutexLock lock(&mu_);
+  RETURN_IF_ERROR(CheckJob(""));
   slidedp::v1::CreateJobResponse resp;
   *resp.mutable_spec() = *job_;
   return resp;
@@ -901,7 +1037,7 @@ absl::StatusOr<slidedp::v1::CreateJobResponse> Engine::CreateJob(
 absl::StatusOr<slidedp::v1::AttachRankResponse> Engine::AttachRank(
     const slidedp::v1::AttachRankRequest& r) {
   absl::MutexLock lock(&mu_);
-  if (!job_ && serving_) {
+  if (!job_ && !creating_ && serving_) {
     return absl::FailedPreconditionError(
         "attach before the model exists: no job yet; create one with CreateJob first");
   }
@@ -936,6 +1072,15 @@ absl::StatusOr<slidedp::v1::AttachRankResponse> Engine::AttachRank(
       return absl::InvalidArgumentError(
           absl::StrCat("client_updated_layers: layer ", client_layers[i], " is listed twice"));
     }
+  }
+  if (!client_layers.empty() &&
+      worker_->optimizer().clip() == slidedp::v1::CLIP_POLICY_GLOBAL) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "client_updated_layers: the job clips by the global norm (clip = global), which needs "
+        "every layer's gradient, but the ranks would update layers ",
+        LayerList(client_layers),
+        " themselves and hostd never sees their gradients; use clip = per_layer or none, or "
+        "let hostd update every layer (python_client: nondecoder=\"host\", resident_layers=0)"));
   }
   const bool any_attached =
       std::any_of(ranks_.begin(), ranks_.end(), [](const RankEntry& x) { return x.attached; });
@@ -1525,6 +1670,11 @@ absl::StatusOr<slidedp::v1::GetStatusResponse> Engine::GetStatus() {
     gi->set_name(g.name);
     gi->set_numa_node(g.numa_node);
   }
+  if (creating_) {
+    *resp.mutable_creating() = *creating_;
+    resp.mutable_creating()->set_elapsed_s(
+        std::chrono::duration<double>(SteadyClock::now() - creation_started_).count());
+  }
   if (!job_) return resp;
   auto* js = resp.mutable_job();
   js->set_job_id(job_->job_id());
@@ -1567,16 +1717,45 @@ absl::StatusOr<slidedp::v1::GetStatusResponse> Engine::GetStatus() {
   return resp;
 }
 
+absl::StatusOr<std::string> Engine::StatusLine(absl::Duration max_wait) {
+  const absl::Time deadline = absl::Now() + max_wait;
+  while (!mu_.TryLock()) {
+    if (absl::Now() >= deadline) {
+      return absl::DeadlineExceededError(absl::StrCat(
+          "the engine's lock was held for more than ", absl::FormatDuration(max_wait)));
+    }
+    absl::SleepFor(absl::Milliseconds(5));
+  }
+  std::string line;
+  if (!job_) {
+    line = creating_ ? CreationLineLocked() : std::string("serving, no job");
+  } else {
+    int attached = 0;
+    for (const RankEntry& r : ranks_) attached += r.attached ? 1 : 0;
+    line = absl::StrCat("job ", job_->job_id(), " (", state_->model().manifest.name(),
+                        "): ", steps_completed_, " steps, ", step_state_, ", ", attached, "/",
+                        job_->world_size(), " ranks attached");
+  }
+  mu_.Unlock();
+  return line;
+}
+
 absl::StatusOr<slidedp::v1::ListLayersResponse> Engine::ListLayers(
     const slidedp::v1::ListLayersRequest& r) {
-  absl::MutexLock lock(&mu_);
-  RETURN_IF_ERROR(CheckJob(r.job_id()));
   slidedp::v1::ListLayersResponse resp;
-  for (auto& l : LayerStatuses()) {
-    if (r.checksums()) {
-      l.set_checksum(absl::StrFormat("%016x", state_->LayerChecksum(l.layer())));
+  TrainingState* state = nullptr;
+  {
+    absl::MutexLock lock(&mu_);
+    RETURN_IF_ERROR(CheckJob(r.job_id()));
+    for (auto& l : LayerStatuses()) *resp.add_layers() = std::move(l);
+    state = state_.get();  // set once, destroyed with the engine
+  }
+  // A pass over the whole state (GBs): never under mu_, which every step's bookkeeping and
+  // status query takes. Checksums of layers that train meanwhile are of whatever they hold.
+  if (r.checksums()) {
+    for (auto& l : *resp.mutable_layers()) {
+      l.set_checksum(absl::StrFormat("%016x", state->LayerChecksum(l.layer())));
     }
-    *resp.add_layers() = std::move(l);
   }
   return resp;
 }
@@ -1722,6 +1901,13 @@ absl::StatusOr<slidedp::v1::UpdateHyperParamsResponse> Engine::UpdateHyperParams
     }
   }
   ASSIGN_OR_RETURN(next, NormalizeOptimizerConfig(next));
+  if (next.clip() == slidedp::v1::CLIP_POLICY_GLOBAL && !client_layers_.empty()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "clip: global needs every layer's gradient, but the ranks update layers ",
+        LayerList(client_layers_),
+        " themselves (client_updated_layers) and hostd never sees their gradients; keep "
+        "per_layer or none for this job"));
+  }
   worker_->SetOptimizer(next);
   *job_->mutable_optimizer() = next;
   slidedp::v1::SessionEvent ev;

@@ -27,8 +27,10 @@
 // which queues it again or starts it. Chunks of the dropped step left in the rings are discarded.
 //
 // Thread safety: every public method may be called from any thread; job state is guarded by
-// mu_. Long work (AdamW, casts) runs on the update worker, never on the calling thread, except
-// in CreateJob, which initializes the state before it returns.
+// mu_, which nothing holds for long. Long work (AdamW, casts) runs on the update worker, never
+// on the calling thread, except in CreateJob, which creates and initializes the state before it
+// returns -- without mu_: GetStatus shows the job as being created meanwhile, and the other job
+// RPCs answer UNAVAILABLE until it exists.
 #pragma once
 
 #include <array>
@@ -36,6 +38,7 @@
 #include <chrono>
 #include <cstdint>
 #include <deque>
+#include <functional>
 #include <map>
 #include <memory>
 #include <optional>
@@ -67,16 +70,25 @@ class Engine {
  public:
   // Discovers the topology, starts the pool and, unless config.model is "none", creates the job
   // for config.model. `topology` overrides discovery (tests).
+  // `creation_progress`, when given, is called with a line such as "creating job 'default':
+  // initializing weights 12/36 layers (41 s)" as each job's creation goes (hostd's STATUS for
+  // systemd), on the creating thread, never under the engine's lock.
+  using CreationProgressFn = std::function<void(const std::string& line)>;
   static absl::StatusOr<std::unique_ptr<Engine>> Create(
       const HostdConfig& config, std::vector<ConfigEntry> entries = {},
-      std::optional<Topology> topology = std::nullopt);
+      std::optional<Topology> topology = std::nullopt,
+      CreationProgressFn creation_progress = nullptr);
   ~Engine();
   Engine(const Engine&) = delete;
   Engine& operator=(const Engine&) = delete;
 
-  // Stops serving: fails new requests with UNAVAILABLE, aborts a running step, wakes sessions
-  // and stops the worker. When `remove_state` the shared-memory names are removed (clean stop).
-  void Shutdown(bool remove_state);
+  // Stops serving: fails new requests with UNAVAILABLE, aborts a running step, wakes sessions,
+  // stops the worker and waits for a checkpoint in flight. With `remove_state` (a clean stop)
+  // it writes the final checkpoint (checkpoint.on_stop) and removes the shared-memory names --
+  // unless that checkpoint (or the one in flight, with no final one standing in) failed: then
+  // the segments stay, re-adoptable by the next hostd, and DATA_LOSS says so and how to go on.
+  // A second call does nothing more.
+  absl::Status Shutdown(bool remove_state);
 
   // --- control plane ---
   absl::StatusOr<slidedp::v1::HandshakeResponse> Handshake(const slidedp::v1::HandshakeRequest& r);
@@ -94,6 +106,11 @@ class Engine {
   absl::StatusOr<slidedp::v1::FetchCommIdResponse> FetchCommId(
       const slidedp::v1::FetchCommIdRequest& r);
   absl::StatusOr<slidedp::v1::GetStatusResponse> GetStatus();
+  // One line for a service manager's STATUS ("job default (qwen3-4b): 120 steps, running, 1/1
+  // ranks attached", "creating job ...", "serving, no job"). It waits at most `max_wait` for the
+  // engine's lock (nothing holds it for long: a job's creation runs without it), so a stuck
+  // engine shows as DEADLINE_EXCEEDED rather than as a stuck caller.
+  absl::StatusOr<std::string> StatusLine(absl::Duration max_wait);
   absl::StatusOr<slidedp::v1::ListLayersResponse> ListLayers(
       const slidedp::v1::ListLayersRequest& r);
   absl::StatusOr<slidedp::v1::ListRanksResponse> ListRanks(const slidedp::v1::ListRanksRequest& r);
@@ -181,14 +198,25 @@ class Engine {
     std::deque<slidedp::v1::SessionEvent> events;
   };
 
-  explicit Engine(HostdConfig config, std::vector<ConfigEntry> entries);
+  Engine(HostdConfig config, std::vector<ConfigEntry> entries,
+         CreationProgressFn creation_progress);
   absl::Status Init(std::optional<Topology> topology);
+  // Marks job `job_id` as being created (GetStatus shows it; job RPCs answer UNAVAILABLE);
+  // ALREADY_EXISTS when a job exists or another is being created. The caller then calls
+  // CreateJobUnlocked, which ends the creation whatever its outcome.
+  absl::Status ClaimCreation(const std::string& job_id) ABSL_LOCKS_EXCLUDED(mu_);
+  // Creates the claimed job: validates the spec, recovers or creates the state, imports or
+  // restores its weights (all without mu_), then installs it under mu_.
   // `model_dir`: the model's directory, where init "auto" looks for safetensors weights; empty
   // for a built-in model, a config.json path or a job created over RPC.
   // `resume`: restore this checkpoint into the new state (its step becomes the job's).
-  absl::Status CreateJobLocked(slidedp::v1::JobSpec spec, LoadedModel model,
-                               const std::string& model_dir, const CheckpointInfo* resume = nullptr)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status CreateJobUnlocked(slidedp::v1::JobSpec spec, LoadedModel model,
+                                 const std::string& model_dir,
+                                 const CheckpointInfo* resume = nullptr) ABSL_LOCKS_EXCLUDED(mu_);
+  // Records the creation's progress; false once hostd stops serving (the creation gives up).
+  bool NoteCreation(const char* phase, uint64_t done, uint64_t total, const char* unit)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  std::string CreationLineLocked() const ABSL_SHARED_LOCKS_REQUIRED(mu_);
   // The job as a checkpoint describes it (spec with the current optimizer, model fields).
   CheckpointInfo CheckpointDescriptionLocked() const ABSL_SHARED_LOCKS_REQUIRED(mu_);
   // OK when a checkpoint of hostd's state alone is complete at `version`: no torn layer, and
@@ -209,7 +237,8 @@ class Engine {
   // Withdraws the request once its checkpoint is no longer in flight (committed or failed).
   void ReconcileClientSyncLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Writes the final checkpoint of a clean stop (checkpoint.on_stop); the worker has stopped.
-  void FinalCheckpoint();
+  // OK when written, or when none is due (off, nothing trained, already checkpointed).
+  absl::Status FinalCheckpoint();
   absl::Status CheckJob(absl::string_view job_id) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
   absl::Status CheckServing() const ABSL_SHARED_LOCKS_REQUIRED(mu_);
   // FAILED_PRECONDITION / PERMISSION_DENIED unless `rank` is attached with `token`.
@@ -254,8 +283,13 @@ class Engine {
   // The instance's lock (common/instance_files.h); released after the state is destroyed.
   std::unique_ptr<InstanceLock> instance_lock_;
 
+  const CreationProgressFn creation_progress_;
+
   mutable absl::Mutex mu_;
   bool serving_ ABSL_GUARDED_BY(mu_) = true;
+  // The job being created (ClaimCreation .. CreateJobUnlocked's end), and since when.
+  std::optional<slidedp::v1::JobCreation> creating_ ABSL_GUARDED_BY(mu_);
+  std::chrono::steady_clock::time_point creation_started_ ABSL_GUARDED_BY(mu_);
   std::optional<slidedp::v1::JobSpec> job_ ABSL_GUARDED_BY(mu_);
   std::unique_ptr<TrainingState> state_;           // set once under mu_, then read-only
   std::unique_ptr<UpdateWorker> worker_;           // set once under mu_, then read-only

@@ -5,6 +5,9 @@
 
 #include <grp.h>
 #include <grpcpp/grpcpp.h>
+#include <signal.h>
+#include <sys/mman.h>
+#include <time.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -12,6 +15,7 @@
 #include <barrier>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <functional>
 #include <future>
 #include <limits>
@@ -19,6 +23,7 @@
 #include <thread>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "common/instance_files.h"
 #include "common/shm_segment.h"
 #include "common/version.h"
@@ -52,7 +57,7 @@ class EngineTest : public ::testing::Test {
   }
   void TearDown() override {
     server_.reset();
-    if (engine_) engine_->Shutdown(/*remove_state=*/true);
+    if (engine_) engine_->Shutdown(/*remove_state=*/true).IgnoreError();
     engine_.reset();
     std::filesystem::remove_all(dir_);
   }
@@ -456,6 +461,159 @@ TEST_F(EngineTest, StepThroughTheWorkerCompletesAndUpdatesStats) {
   EXPECT_FALSE(stats.isa().empty());
   auto timeout = engine_->WaitLayerVersion(0, 2, std::chrono::milliseconds(50));
   EXPECT_EQ(timeout.code(), absl::StatusCode::kDeadlineExceeded);
+}
+
+// Stalls the thread that touches g_stall_page (PROT_NONE) until the test releases it: the
+// reader is held in the middle of its pass with whatever locks it holds, and nothing in hostd
+// needs a hook for it.
+std::atomic<void*> g_stall_page{nullptr};
+std::atomic<bool> g_stall_hit{false};
+std::atomic<bool> g_stall_release{false};
+void StallOnFault(int, siginfo_t* info, void*) {
+  auto* page = static_cast<char*>(g_stall_page.load());
+  auto* at = static_cast<char*>(info->si_addr);
+  if (page == nullptr || at < page || at >= page + 4096) {
+    signal(SIGSEGV, SIG_DFL);  // not ours: the fault repeats and kills the test as it should
+    return;
+  }
+  g_stall_hit.store(true);
+  while (!g_stall_release.load()) {
+    timespec ts{0, 1000000};
+    nanosleep(&ts, nullptr);
+  }
+}
+
+// ListLayers --checksums reads the whole state (GBs for a real model); held in the middle of
+// that pass, it must not hold the engine's lock: GetStatus (the watchdog's probe) answers.
+// The pass ran under the lock, so every step's bookkeeping and status query waited for it.
+TEST_F(EngineTest, ChecksumPassDoesNotHoldTheEngineLock) {
+#if defined(__SANITIZE_THREAD__)
+  GTEST_SKIP() << "TSan defers signals: the stall would not hold the reader";
+#endif
+  Start();
+  const uint64_t expected = engine_->state()->LayerChecksum(0);
+  void* page = engine_->state()->master(0);  // page aligned (shm::kPayloadAlign)
+  struct sigaction sa {}, old {};
+  sa.sa_sigaction = StallOnFault;
+  sa.sa_flags = SA_SIGINFO;
+  sigemptyset(&sa.sa_mask);
+  ASSERT_EQ(sigaction(SIGSEGV, &sa, &old), 0);
+  g_stall_hit = false;
+  g_stall_release = false;
+  g_stall_page = page;
+  ASSERT_EQ(mprotect(page, 4096, PROT_NONE), 0);
+  v1::ListLayersResponse layers;
+  std::future<grpc::Status> listed = std::async(std::launch::async, [&] {
+    grpc::ClientContext ctx;
+    v1::ListLayersRequest req;
+    req.set_checksums(true);
+    return stub_->ListLayers(&ctx, req, &layers);
+  });
+  for (int i = 0; i < 30000 && !g_stall_hit.load(); ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  const bool hit = g_stall_hit.load();
+  grpc::Status status_call = grpc::Status::OK;
+  if (hit) {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+    v1::GetStatusResponse st;
+    status_call = stub_->GetStatus(&ctx, v1::GetStatusRequest(), &st);
+  }
+  ASSERT_EQ(mprotect(page, 4096, PROT_READ | PROT_WRITE), 0);
+  g_stall_release = true;
+  ASSERT_EQ(listed.wait_for(std::chrono::seconds(30)), std::future_status::ready);
+  const grpc::Status ls = listed.get();
+  g_stall_page = nullptr;
+  sigaction(SIGSEGV, &old, nullptr);
+  ASSERT_TRUE(hit) << "the checksum pass never reached the state";
+  EXPECT_TRUE(status_call.ok()) << "GetStatus waited for the checksum pass: "
+                                << status_call.error_message();
+  ASSERT_TRUE(ls.ok()) << ls.error_message();
+  EXPECT_EQ(layers.layers(0).checksum(), absl::StrFormat("%016x", expected));
+}
+
+// A clean stop whose final checkpoint cannot be written (here checkpoint.dir has become a file;
+// a full disk does the same) keeps the shared memory, re-adoptable, and says so: it removed the
+// segments, and everything since the last committed checkpoint was gone.
+TEST_F(EngineTest, FailedFinalCheckpointKeepsTheStateForTheNextHostd) {
+  const std::filesystem::path ck = dir_ / "ck";
+  config_.checkpoint.dir = ck.string();
+  Start();
+  std::vector<std::vector<uint16_t>> grads;
+  for (const LayerInfo& l : engine_->state()->layers()) grads.emplace_back(l.numel, 0x3c00);
+  for (uint32_t l = engine_->state()->num_layers(); l-- > 0;) {
+    ASSERT_TRUE(
+        engine_->SubmitGradient(l, 1, {grads[l].data(), kernels::GradType::kBf16, grads[l].size()})
+            .ok());
+  }
+  for (uint32_t l = 0; l < engine_->state()->num_layers(); ++l) {
+    ASSERT_TRUE(engine_->WaitLayerVersion(l, 1, std::chrono::seconds(10)).ok());
+  }
+  const uint64_t trained = engine_->state()->Checksum();
+  std::filesystem::remove_all(ck);
+  { std::ofstream(ck) << "not a directory"; }
+  server_.reset();
+  const absl::Status stopped = engine_->Shutdown(/*remove_state=*/true);
+  EXPECT_EQ(stopped.code(), absl::StatusCode::kDataLoss) << stopped;
+  EXPECT_NE(stopped.message().find("final checkpoint of step 1"), std::string::npos) << stopped;
+  EXPECT_NE(stopped.message().find("re-adopt"), std::string::npos) << stopped;
+  engine_.reset();
+  for (auto kind : {shm::SegmentKind::kControl, shm::SegmentKind::kState,
+                    shm::SegmentKind::kParams, shm::SegmentKind::kGrads}) {
+    EXPECT_TRUE(ShmSegment::Exists(SegmentName(config_.instance, kind)))
+        << SegmentName(config_.instance, kind) << " was removed";
+  }
+  // The next hostd on the same configuration re-adopts step 1; once the directory is usable again
+  // its own clean stop checkpoints it and removes the segments.
+  std::filesystem::remove(ck);
+  Start();
+  EXPECT_EQ(engine_->state()->committed_version(0), 1u);
+  EXPECT_EQ(engine_->state()->Checksum(), trained);
+  server_.reset();
+  EXPECT_TRUE(engine_->Shutdown(/*remove_state=*/true).ok());
+  engine_.reset();
+  EXPECT_FALSE(ShmSegment::Exists(SegmentName(config_.instance, shm::SegmentKind::kState)));
+  auto found = FindLatestCheckpoint(ck.string());
+  ASSERT_TRUE(found.ok()) << found.status();
+  EXPECT_EQ(found->step, 1u);
+}
+
+// Global clipping needs every layer's gradient; layers the ranks update themselves never send
+// one, so the combination is refused at attach and by a clip change, naming both (the worker
+// waited for the missing gradients and no step ever completed).
+TEST_F(EngineTest, GlobalClipAndClientUpdatedLayersAreRefusedTogether) {
+  config_.optimizer.set_clip(v1::CLIP_POLICY_GLOBAL);
+  Start();
+  const uint32_t last = engine_->state()->num_layers() - 1;
+  grpc::ClientContext ctx;
+  v1::AttachRankRequest req;
+  req.set_manifest_hash(Hash());
+  req.add_client_updated_layers(0);
+  req.add_client_updated_layers(last);
+  v1::AttachRankResponse resp;
+  grpc::Status s = stub_->AttachRank(&ctx, req, &resp);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::FAILED_PRECONDITION) << s.error_message();
+  EXPECT_NE(s.error_message().find("clip = global"), std::string::npos) << s.error_message();
+  EXPECT_NE(s.error_message().find(absl::StrCat("[0, ", last, "]")), std::string::npos)
+      << s.error_message();
+  // Without client layers the job trains under global clipping; with per_layer it may attach
+  // them, and switching back to global is refused while they are the ranks'.
+  auto set_clip = [&](v1::ClipPolicy clip) {
+    grpc::ClientContext c;
+    v1::UpdateHyperParamsRequest u;
+    u.add_fields("clip");
+    u.mutable_optimizer()->set_clip(clip);
+    v1::UpdateHyperParamsResponse ur;
+    return stub_->UpdateHyperParams(&c, u, &ur);
+  };
+  ASSERT_TRUE(set_clip(v1::CLIP_POLICY_PER_LAYER).ok());
+  grpc::ClientContext ctx2;
+  ASSERT_TRUE(stub_->AttachRank(&ctx2, req, &resp).ok());
+  grpc::Status back = set_clip(v1::CLIP_POLICY_GLOBAL);
+  EXPECT_EQ(back.error_code(), grpc::StatusCode::FAILED_PRECONDITION) << back.error_message();
+  EXPECT_NE(back.error_message().find("client_updated_layers"), std::string::npos);
+  EXPECT_EQ(engine_->worker()->optimizer().clip(), v1::CLIP_POLICY_PER_LAYER);
 }
 
 // Layers the ranks update themselves: every attached rank must send the same set; the step
@@ -1196,7 +1354,7 @@ class RouteTest : public ::testing::Test {
 
   void Stop(Run& run) {
     run.server.reset();
-    run.engine->Shutdown(/*remove_state=*/true);
+    run.engine->Shutdown(/*remove_state=*/true).IgnoreError();
     run.engine.reset();
     std::filesystem::remove_all(run.dir);
   }
@@ -1271,7 +1429,7 @@ class OverlapTest : public ::testing::TestWithParam<v1::GradRoute> {
       if (client) client->Detach().IgnoreError();
       client.reset();
       server.reset();
-      if (engine) engine->Shutdown(/*remove_state=*/true);
+      if (engine) engine->Shutdown(/*remove_state=*/true).IgnoreError();
       engine.reset();
       std::filesystem::remove_all(dir);
     }
@@ -1508,7 +1666,7 @@ TEST_P(OverlapTest, StopCancelsACheckpointOfAQueuedStepThatNeverRan) {
   absl::StatusOr<v1::CheckpointResponse> asked = e.Checkpoint(v1::CheckpointRequest());
   ASSERT_TRUE(asked.ok()) << asked.status();
   ASSERT_EQ(asked->step(), 2u);
-  auto stopped = std::async(std::launch::async, [&] { e.Shutdown(/*remove_state=*/true); });
+  auto stopped = std::async(std::launch::async, [&] { e.Shutdown(/*remove_state=*/true).IgnoreError(); });
   ASSERT_EQ(stopped.wait_for(std::chrono::seconds(60)), std::future_status::ready)
       << "the stop waits for a checkpoint of a step that never ran";
   absl::StatusOr<CheckpointInfo> info = FindLatestCheckpoint((run->dir / "ck").string());

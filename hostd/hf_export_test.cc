@@ -542,7 +542,7 @@ TEST(HfExportEngineTest, WaitsForTheStepBoundaryAndValidatesInput) {
   for (uint32_t l = 0; l < n; ++l) {
     ASSERT_TRUE(engine->WaitLayerVersion(l, 2, std::chrono::seconds(10)).ok());
   }
-  engine->Shutdown(/*remove_state=*/true);
+  engine->Shutdown(/*remove_state=*/true).IgnoreError();
 }
 
 // Engine::Checkpoint's dir and Engine::ExportHF's out_dir: absolute, and under checkpoint.dir (a
@@ -599,7 +599,7 @@ TEST(EngineOutputDirTest, RequestedDirsMustBeAbsoluteAndUnderTheRoots) {
   ex.set_out_dir("relative/export");
   expect_refused(engine->ExportHF(ex).status(), absl::StatusCode::kInvalidArgument,
                  {"out_dir: expected an absolute path"});
-  engine->Shutdown(/*remove_state=*/true);
+  engine->Shutdown(/*remove_state=*/true).IgnoreError();
   engine.reset();
 
   // With a root: below it, and not out of it through ".." or a symlink.
@@ -624,7 +624,7 @@ TEST(EngineOutputDirTest, RequestedDirsMustBeAbsoluteAndUnderTheRoots) {
                    {"out_dir: '" + bad + "'", "output_roots (" + root + ")"});
   }
   EXPECT_TRUE(fs::is_empty(tmp.path + "/outside"));
-  engine->Shutdown(/*remove_state=*/true);
+  engine->Shutdown(/*remove_state=*/true).IgnoreError();
 }
 
 }  // namespace

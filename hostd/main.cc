@@ -71,7 +71,12 @@ int main(int argc, char** argv) {
   ServiceNotifier notifier;
   notifier.Status(config.model == "none" ? "starting"
                                          : "creating the job's state for " + config.model);
-  auto engine = Engine::Create(config, loaded->entries);
+  // Creating a large model's state takes minutes: systemd's start timeout is extended while it
+  // makes progress, and STATUS shows the phase.
+  notifier.StartKeepalive();
+  auto engine = Engine::Create(config, loaded->entries, std::nullopt,
+                               [&notifier](const std::string& line) { notifier.Status(line); });
+  notifier.StopKeepalive();
   if (!engine.ok()) {
     spdlog::error("startup failed: {}", engine.status().ToString());
     notifier.Status("startup failed: " + engine.status().ToString());
@@ -84,7 +89,7 @@ int main(int argc, char** argv) {
     if (!started.ok()) {
       spdlog::error("startup failed: {}", started.status().ToString());
       notifier.Status("startup failed: " + started.status().ToString());
-      (*engine)->Shutdown(/*remove_state=*/true);
+      (*engine)->Shutdown(/*remove_state=*/true).IgnoreError();
       return 1;
     }
     metrics = std::move(*started);
@@ -102,7 +107,7 @@ int main(int argc, char** argv) {
     spdlog::error("startup failed: {}", socket_group.status().ToString());
     notifier.Status("startup failed: " + socket_group.status().ToString());
     metrics.reset();
-    (*engine)->Shutdown(/*remove_state=*/true);
+    (*engine)->Shutdown(/*remove_state=*/true).IgnoreError();
     return 1;
   }
   so.socket_group = *socket_group;
@@ -111,24 +116,16 @@ int main(int argc, char** argv) {
     spdlog::error("startup failed: {}", server.status().ToString());
     notifier.Status("startup failed: " + server.status().ToString());
     metrics.reset();
-    (*engine)->Shutdown(/*remove_state=*/true);
+    (*engine)->Shutdown(/*remove_state=*/true).IgnoreError();
     return 1;
   }
   spdlog::info("serving slidedp.v1.Control on unix:{}{}", config.socket,
                config.listen_tcp.empty() ? "" : " and " + config.listen_tcp);
   Engine* e = engine->get();
-  // The probe takes the engine's lock (GetStatus): a stuck engine stops the watchdog pings.
-  auto probe = [e]() -> std::string {
-    auto st = e->GetStatus();
-    if (!st.ok()) return "status unavailable: " + st.status().ToString();
-    if (!st->has_job()) return "serving, no job";
-    const auto& j = st->job();
-    int attached = 0;
-    for (const auto& r : st->ranks()) attached += r.attached() ? 1 : 0;
-    return absl::StrCat("job ", j.job_id(), " (", j.model_name(), "): ", j.step(), " steps, ",
-                        j.step_state(), ", ", attached, "/", j.world_size(), " ranks attached");
-  };
-  notifier.Ready(probe());
+  // The probe waits at most 10 s for the engine's lock, which no long work holds (a job's
+  // creation runs without it): a stuck engine stops the watchdog pings, a busy one does not.
+  auto probe = [e]() { return e->StatusLine(absl::Seconds(10)); };
+  notifier.Ready(probe().value_or("serving"));
   notifier.Start(probe);
 
   int sig = 0;
@@ -137,11 +134,22 @@ int main(int argc, char** argv) {
   notifier.Stopping();
   notifier.Stop();
   metrics.reset();
-  (*engine)->Shutdown(/*remove_state=*/true);
+  // The final checkpoint can take minutes: the stop timeout is extended meanwhile.
+  notifier.Status("stopping: final checkpoint");
+  notifier.StartKeepalive();
+  const absl::Status stopped = (*engine)->Shutdown(/*remove_state=*/true);
+  notifier.StopKeepalive();
   (*server)->Shutdown(2000);
   (*server)->Wait();
   server->reset();
   engine->reset();
+  if (!stopped.ok()) {
+    // Not a clean stop: the state was kept for the next hostd (the message says how to go on),
+    // and the service manager should see the failure.
+    spdlog::error("stopped with the training state kept: {}", stopped.ToString());
+    notifier.Status("stopped with the training state kept: " + std::string(stopped.message()));
+    return 1;
+  }
   spdlog::info("stopped");
   return 0;
 }

@@ -16,7 +16,10 @@ ServiceNotifier::ServiceNotifier() {
   if (enabled_ && sd_watchdog_enabled(0, &usec) > 0) watchdog_ = std::chrono::microseconds(usec);
 }
 
-ServiceNotifier::~ServiceNotifier() { Stop(); }
+ServiceNotifier::~ServiceNotifier() {
+  StopKeepalive();
+  Stop();
+}
 
 void ServiceNotifier::Send(const std::string& state) {
   if (!enabled_) return;
@@ -24,37 +27,81 @@ void ServiceNotifier::Send(const std::string& state) {
   if (r < 0) spdlog::warn("sd_notify({}) failed: error {}", state.substr(0, 40), -r);
 }
 
-void ServiceNotifier::Status(const std::string& status) { Send("STATUS=" + status); }
+void ServiceNotifier::Status(const std::string& status) {
+  {
+    std::lock_guard<std::mutex> l(mu_);
+    last_status_ = status;
+  }
+  Send("STATUS=" + status);
+}
 
 void ServiceNotifier::Ready(const std::string& status) { Send("READY=1\nSTATUS=" + status); }
 
 void ServiceNotifier::Stopping() { Send("STOPPING=1\nSTATUS=stopping"); }
 
-void ServiceNotifier::Start(std::function<std::string()> probe,
+void ServiceNotifier::Loop(std::thread* t, bool* stop, std::chrono::milliseconds period,
+                           std::function<void()> tick) {
+  *t = std::thread([this, stop, period, tick = std::move(tick)] {
+    std::unique_lock<std::mutex> l(mu_);
+    while (!*stop) {
+      l.unlock();
+      tick();
+      l.lock();
+      cv_.wait_for(l, period, [stop] { return *stop; });
+    }
+  });
+}
+
+void ServiceNotifier::Join(std::thread* t, bool* stop) {
+  {
+    std::lock_guard<std::mutex> l(mu_);
+    *stop = true;
+  }
+  cv_.notify_all();
+  if (t->joinable()) t->join();
+}
+
+void ServiceNotifier::Start(std::function<absl::StatusOr<std::string>()> probe,
                             std::chrono::milliseconds status_every) {
   if (!enabled_ || thread_.joinable()) return;
   const auto period = watchdog_.count() > 0
                           ? std::chrono::duration_cast<std::chrono::milliseconds>(watchdog_ / 2)
                           : status_every;
-  thread_ = std::thread([this, probe = std::move(probe), period] {
-    std::unique_lock<std::mutex> l(mu_);
-    while (!stop_) {
-      l.unlock();
-      const std::string status = probe();  // blocks while the engine is stuck: no ping
-      Send((watchdog_.count() > 0 ? "WATCHDOG=1\nSTATUS=" : "STATUS=") + status);
-      l.lock();
-      cv_.wait_for(l, period, [this] { return stop_; });
+  {
+    std::lock_guard<std::mutex> l(mu_);
+    stop_ = false;
+  }
+  Loop(&thread_, &stop_, period, [this, probe = std::move(probe)] {
+    const absl::StatusOr<std::string> status = probe();  // bounded: see Engine::StatusLine
+    if (!status.ok()) {
+      spdlog::warn("no watchdog ping: {}", status.status().ToString());
+      Send("STATUS=not answering: " + std::string(status.status().message()));
+      return;
     }
+    Send((watchdog_.count() > 0 ? "WATCHDOG=1\nSTATUS=" : "STATUS=") + *status);
   });
 }
 
-void ServiceNotifier::Stop() {
+void ServiceNotifier::Stop() { Join(&thread_, &stop_); }
+
+void ServiceNotifier::StartKeepalive(std::chrono::milliseconds period) {
+  if (!enabled_ || keepalive_.joinable()) return;
   {
     std::lock_guard<std::mutex> l(mu_);
-    stop_ = true;
+    keepalive_stop_ = false;
   }
-  cv_.notify_all();
-  if (thread_.joinable()) thread_.join();
+  const auto extend = std::chrono::duration_cast<std::chrono::microseconds>(3 * period);
+  Loop(&keepalive_, &keepalive_stop_, period, [this, extend] {
+    std::string status;
+    {
+      std::lock_guard<std::mutex> l(mu_);
+      status = last_status_;
+    }
+    Send("EXTEND_TIMEOUT_USEC=" + std::to_string(extend.count()) +
+         (watchdog_.count() > 0 ? "\nWATCHDOG=1" : "") + "\nSTATUS=" + status);
+  });
 }
+
+void ServiceNotifier::StopKeepalive() { Join(&keepalive_, &keepalive_stop_); }
 
 }  // namespace slidedp::hostd

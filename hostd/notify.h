@@ -1,11 +1,17 @@
 // ServiceNotifier: hostd's side of systemd's notify protocol (Type=notify, sd_notify(3) through
 // libsystemd), and a no-op when NOTIFY_SOCKET is unset (hostd started by hand or by a test).
-//   STATUS=...  while the job's state is created (minutes for a large model) and, once serving,
-//               every watchdog period: the completed steps, the step state and attached ranks;
+//   STATUS=...  while the job's state is created (minutes for a large model: the phase and its
+//               progress) and, once serving, every watchdog period: the completed steps, the
+//               step state and attached ranks (or the creation of a job CreateJob asked for);
 //   READY=1     once the control socket listens;
 //   WATCHDOG=1  every half WATCHDOG_USEC (sd_watchdog_enabled), only after a status query of
-//               the engine returned: an engine stuck on its lock stops the pings and systemd
-//               restarts the service (WatchdogSec= in the unit);
+//               the engine answered: the query waits a bounded time for the engine's lock,
+//               which no long work holds, so an engine stuck on its lock stops the pings and
+//               systemd restarts the service (WatchdogSec= in the unit);
+//   EXTEND_TIMEOUT_USEC=...  with WATCHDOG=1 and the latest STATUS, every keepalive period while
+//               long work runs outside the service's normal life: the job's state created before
+//               READY (TimeoutStartSec=) and the final checkpoint after STOPPING=1
+//               (TimeoutStopSec=);
 //   STOPPING=1  when a stop signal arrives.
 // Thread safety: Status/Ready/Stopping from any thread; Start/Stop from the main thread.
 #pragma once
@@ -17,6 +23,8 @@
 #include <mutex>
 #include <string>
 #include <thread>
+
+#include "absl/status/statusor.h"
 
 namespace slidedp::hostd {
 
@@ -37,21 +45,34 @@ class ServiceNotifier {
   void Stopping();
 
   // Starts the watchdog/status thread: every half watchdog interval (or every `status_every`
-  // when there is no watchdog) it calls `probe`, which returns the STATUS text, then sends it
-  // with WATCHDOG=1. No thread when the notifier is disabled.
-  void Start(std::function<std::string()> probe,
+  // when there is no watchdog) it calls `probe`: its text goes out as STATUS with WATCHDOG=1;
+  // an error (the engine did not answer in time) as STATUS alone, without the ping. No thread
+  // when the notifier is disabled.
+  void Start(std::function<absl::StatusOr<std::string>()> probe,
              std::chrono::milliseconds status_every = std::chrono::seconds(5));
   void Stop();
 
+  // Until StopKeepalive: every `period`, EXTEND_TIMEOUT_USEC (three periods), WATCHDOG=1 and the
+  // text of the last Status() call. For long work before Ready or after Stopping.
+  void StartKeepalive(std::chrono::milliseconds period = std::chrono::seconds(10));
+  void StopKeepalive();
+
  private:
   void Send(const std::string& state);
+  // Runs `tick` every `period` on thread `t` until `stop` (guarded by mu_) is set.
+  void Loop(std::thread* t, bool* stop, std::chrono::milliseconds period,
+            std::function<void()> tick);
+  void Join(std::thread* t, bool* stop);
 
   bool enabled_ = false;
   std::chrono::microseconds watchdog_{0};
   std::mutex mu_;
   std::condition_variable cv_;
-  bool stop_ = false;
+  bool stop_ = false;            // guarded by mu_
+  bool keepalive_stop_ = false;  // guarded by mu_
+  std::string last_status_;      // guarded by mu_
   std::thread thread_;
+  std::thread keepalive_;
 };
 
 }  // namespace slidedp::hostd

@@ -253,6 +253,63 @@ TEST(UpdateWorkerTest, GlobalClipWaitsForEveryLayerAndUsesTheGlobalNorm) {
   f.worker->Stop();
 }
 
+// A change of the clip policy while a step runs (UpdateHyperParams) takes effect with the next
+// step, both ways: switched to global halfway, the step waited for the gradients of the layers
+// it had updated already; switched away from global, it never released the layers it held.
+TEST(UpdateWorkerTest, ClipChangeWhileAStepRunsTakesEffectWithTheNextStep) {
+  for (const bool to_global : {true, false}) {
+    SCOPED_TRACE(to_global ? "none -> global" : "global -> none");
+    v1::OptimizerConfig first = BaseConfig();
+    first.set_clip(to_global ? v1::CLIP_POLICY_NONE : v1::CLIP_POLICY_GLOBAL);
+    v1::OptimizerConfig second = first;
+    second.set_clip(to_global ? v1::CLIP_POLICY_GLOBAL : v1::CLIP_POLICY_NONE);
+    Fixture f = Make(2, first);
+    f.worker->Start();
+    std::vector<std::vector<uint16_t>> g;
+    for (uint32_t l = 0; l < 2; ++l) g.push_back(RandomBf16(f.state->layers()[l].numel, 7 + l));
+    auto submit = [&](uint32_t layer, uint64_t step) {
+      return f.worker->Submit(layer, step, {g[layer].data(), kernels::GradType::kBf16,
+                                            g[layer].size()},
+                              nullptr);
+    };
+    ASSERT_TRUE(submit(0, 1).ok());
+    if (to_global) {
+      // Under "none" layer 0 is updated at once.
+      for (int i = 0; i < 2000 && f.state->committed_version(0) < 1; ++i) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(5));
+      }
+      ASSERT_EQ(f.state->committed_version(0), 1u);
+    }
+    f.worker->SetOptimizer(second);
+    ASSERT_TRUE(submit(1, 1).ok());
+    for (uint32_t l = 0; l < 2; ++l) {
+      for (int i = 0; i < 2000 && f.state->committed_version(l) < 1; ++i) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(5));
+      }
+      EXPECT_EQ(f.state->committed_version(l), 1u) << "step 1 never completed layer " << l;
+    }
+    // Step 2 runs under the new policy: under global, one layer alone is held.
+    ASSERT_TRUE(submit(1, 2).ok());
+    if (to_global) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+      EXPECT_EQ(f.state->committed_version(1), 1u) << "global clipping updated a layer alone";
+    } else {
+      for (int i = 0; i < 2000 && f.state->committed_version(1) < 2; ++i) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(5));
+      }
+      EXPECT_EQ(f.state->committed_version(1), 2u) << "no clipping held a layer";
+    }
+    ASSERT_TRUE(submit(0, 2).ok());
+    for (uint32_t l = 0; l < 2; ++l) {
+      for (int i = 0; i < 2000 && f.state->committed_version(l) < 2; ++i) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(5));
+      }
+      EXPECT_EQ(f.state->committed_version(l), 2u);
+    }
+    f.worker->Stop();
+  }
+}
+
 TEST(UpdateWorkerTest, NonFiniteGradientSkipsLayerLeavesStateAndAdvancesVersion) {
   Fixture f = Make(2, BaseConfig());
   for (float bad :

@@ -886,7 +886,7 @@ TEST(EngineShardRouteTest, StreamedStepsThenAbortMidLayerRefusesFurtherSteps) {
   EXPECT_EQ(
       engine->SubmitGradient(0, 3, {whole.data(), kernels::GradType::kFp32, whole.size()}).code(),
       absl::StatusCode::kFailedPrecondition);
-  engine->Shutdown(/*remove_state=*/true);
+  engine->Shutdown(/*remove_state=*/true).IgnoreError();
 }
 
 // (g) A rank owns its ChunkSlot headers and may rewrite one at any moment, also between two reads

@@ -201,17 +201,34 @@ absl::Status TrainingState::Initialize(const Options& options, ThreadPool* pool)
   }
   chunk_bytes_ = options.chunk_bytes;
   grad_ring_slots_ = options.grad_ring_slots;
-  ASSIGN_OR_RETURN(control_, make(shm::SegmentKind::kControl,
-                                  shm::ControlSegmentBytes(nl, world_size_, grad_ring_slots_),
-                                  numa_node_, options.mlock));
+  const uint64_t control_bytes = shm::ControlSegmentBytes(nl, world_size_, grad_ring_slots_);
+  const uint64_t all_bytes = control_bytes + state_off + param_off + grads_bytes;
+  uint64_t allocated = 0;
+  auto progress = [&](const char* phase, uint64_t done, uint64_t total, const char* unit) {
+    if (!options.progress || options.progress(phase, done, total, unit)) return absl::OkStatus();
+    return absl::CancelledError(
+        absl::StrCat("creating the state of instance '", inst, "' was cancelled (", phase, ")"));
+  };
+  RETURN_IF_ERROR(progress("allocating shared memory", 0, all_bytes, "bytes"));
+  ASSIGN_OR_RETURN(control_, make(shm::SegmentKind::kControl, control_bytes, numa_node_,
+                                  options.mlock));
   control_.set_remove_on_destroy(true);
+  allocated += control_bytes;
+  RETURN_IF_ERROR(progress("allocating shared memory", allocated, all_bytes, "bytes"));
   ASSIGN_OR_RETURN(state_, make(shm::SegmentKind::kState, state_off, numa_node_, options.mlock));
   state_.set_remove_on_destroy(true);
+  allocated += state_off;
+  RETURN_IF_ERROR(progress("allocating shared memory", allocated, all_bytes, "bytes"));
   ASSIGN_OR_RETURN(params_, make(shm::SegmentKind::kParams, param_off, numa_node_, options.mlock));
   params_.set_remove_on_destroy(true);
+  allocated += param_off;
+  RETURN_IF_ERROR(progress("allocating shared memory", allocated, all_bytes, "bytes"));
   ASSIGN_OR_RETURN(grads_,
                    make(shm::SegmentKind::kGrads, grads_bytes, numa_node_, options.mlock));
   grads_.set_remove_on_destroy(true);
+  const char* init_phase =
+      options.import != nullptr ? "importing weights" : "initializing weights";
+  RETURN_IF_ERROR(progress(init_phase, 0, nl, "layers"));
 
   const uint64_t nonce = options.instance_nonce;
   WriteHeader(control_, shm::SegmentKind::kControl, manifest_hash_, nonce, nl, world_size_, inst);
@@ -275,6 +292,7 @@ absl::Status TrainingState::Initialize(const Options& options, ThreadPool* pool)
     } else {
       finish(0, info.numel, 0);
     }
+    RETURN_IF_ERROR(progress(init_phase, info.index + 1, nl, "layers"));
   }
   // Readers check `ready` (acquire) before trusting a header.
   for (const ShmSegment* seg : {&control_, &state_, &params_, &grads_}) {

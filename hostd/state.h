@@ -24,6 +24,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -88,6 +89,11 @@ class TrainingState {
     uint32_t grad_ring_slots = 4;
     uint32_t grad_dtype = 2;  // slidedp::v1::DType
     uint32_t grad_route = 1;  // slidedp::v1::GradRoute
+    // Called as Create goes ("allocating shared memory": bytes, "initializing weights" or
+    // "importing weights": layers), on the creating thread; false stops it (CANCELLED, nothing
+    // left behind). Null: none.
+    std::function<bool(const char* phase, uint64_t done, uint64_t total, const char* unit)>
+        progress;
   };
 
   // ALREADY_EXISTS if segments of this instance exist (the caller decides to adopt or remove),

@@ -45,7 +45,7 @@ struct Hostd {
 
   ~Hostd() {
     server.reset();
-    if (engine) engine->Shutdown(/*remove_state=*/true);
+    if (engine) engine->Shutdown(/*remove_state=*/true).IgnoreError();
     engine.reset();
     std::filesystem::remove_all(dir);
   }

@@ -210,6 +210,16 @@ void PrintStatus(const v1::GetStatusResponse& status, std::ostream& out) {
     }
     summary.AddRow({"optimizer", DescribeOptimizer(status.job())});
     summary.AddRow({"routes", DescribeRoutes(status.job().routes())});
+  } else if (status.has_creating()) {
+    const v1::JobCreation& c = status.creating();
+    std::string progress;
+    if (c.total() > 0) {
+      progress = c.unit() == "bytes"
+                     ? absl::StrCat(" ", FormatBytes(c.done()), " of ", FormatBytes(c.total()))
+                     : absl::StrCat(" ", c.done(), " of ", c.total(), " ", c.unit());
+    }
+    summary.AddRow({"job", absl::StrFormat("%s: being created, %s%s (%.0f s)", c.job_id(),
+                                           c.phase(), progress, c.elapsed_s())});
   } else {
     summary.AddRow({"job", "none"});
   }

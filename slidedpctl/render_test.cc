@@ -35,12 +35,34 @@ TEST(StatusToJsonTest, KeysInContractOrderAndNullJob) {
   for (const auto& [key, value] : json.items()) keys.push_back(key);
   EXPECT_EQ(keys, (std::vector<std::string>{"daemon", "instance", "socket", "uptime_ms", "job",
                                             "layers", "ranks", "segments", "topology", "shm_bytes",
-                                            "locked_bytes"}));
+                                            "locked_bytes", "creating"}));
   EXPECT_TRUE(json["layers"][0].contains("bytes"));
+  EXPECT_TRUE(json["creating"].is_null());
 
   v1::GetStatusResponse no_job = testing::CannedStatus();
   no_job.clear_job();
   EXPECT_TRUE(StatusToJson(no_job)["job"].is_null());
+}
+
+// A job being created (CreateJob, or hostd's --model at start): its phase and progress.
+TEST(StatusToJsonTest, AJobBeingCreatedShowsItsPhaseAndProgress) {
+  v1::GetStatusResponse st = testing::CannedStatus();
+  st.clear_job();
+  st.clear_layers();
+  v1::JobCreation* c = st.mutable_creating();
+  c->set_job_id("big");
+  c->set_phase("initializing weights");
+  c->set_done(12);
+  c->set_total(36);
+  c->set_unit("layers");
+  c->set_elapsed_s(41.2);
+  const ordered_json json = StatusToJson(st);
+  EXPECT_EQ(json["creating"]["phase"], "initializing weights");
+  EXPECT_EQ(json["creating"]["done"].get<uint64_t>(), 12u);
+  std::ostringstream out;
+  PrintStatus(st, out);
+  EXPECT_THAT(out.str(),
+              HasSubstr("big: being created, initializing weights 12 of 36 layers (41 s)"));
 }
 
 TEST(VersionToJsonTest, DaemonAndErrorAreNullWhenAbsent) {

@@ -171,7 +171,8 @@ class HostdCliTest(unittest.TestCase):
         r = subprocess.run(ctl + ["--dir", "rel"], cwd=root, capture_output=True, text=True,
                            timeout=120)
         self.assertEqual(r.returncode, 0, r.stderr)
-        step0 = os.path.join(root, "rel", "step-000000000000")
+        # A checkpoint's directory names its step, instance and job (format 3).
+        step0 = os.path.join(root, "rel", f"step-000000000000.cli{os.getpid()}dirs.default")
         self.assertEqual(json.loads(r.stdout)["path"], step0)
         self.assertTrue(os.path.exists(os.path.join(step0, "COMMITTED")))
         outside = os.path.join(self.tmp, "outside")

@@ -1,7 +1,8 @@
 """systemd's notify protocol without systemd, and deploy/install.sh into a staging root: a datagram socket stands in for the service manager
 (NOTIFY_SOCKET) and asks for a watchdog (WATCHDOG_USEC). hostd must send STATUS while it creates
-the job's state, READY=1 once its socket listens, WATCHDOG=1 pings with a status line naming the
-job, and STOPPING=1 on SIGTERM, then exit 0.
+the job's state (with EXTEND_TIMEOUT_USEC), READY=1 once its socket listens, WATCHDOG=1 pings
+with a status line naming the job -- also while a CreateJob creates a large job's state -- and
+STOPPING=1 on SIGTERM, then exit 0.
 
     python3 tests/hostd_notify_test.py HOSTD
 """
@@ -11,8 +12,11 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import unittest
+
+import grpc
 
 HOSTD = None
 
@@ -49,6 +53,13 @@ class NotifyTest(unittest.TestCase):
             self.assertTrue(os.path.exists(sock), "READY before the control socket listens")
             self.assertTrue(any(m.startswith("STATUS=creating the job's state") for m in
                                 messages), messages)
+            # The start timeout is extended while the state is created, and STATUS follows the
+            # creation's phases (the tiny model's 7 layers).
+            before_ready = messages[:messages.index(next(m for m in messages if "READY=1" in m))]
+            self.assertTrue(any(m.startswith("EXTEND_TIMEOUT_USEC=") for m in before_ready),
+                            before_ready)
+            self.assertTrue(any("STATUS=creating job 'default': initializing weights 7/7 layers"
+                                in m for m in before_ready), before_ready)
             ready = next(m for m in messages if "READY=1" in m)
             self.assertIn("STATUS=job ", ready)
             # Half the watchdog interval: at least 3 pings in 1.2 s, each with the job's status.
@@ -61,6 +72,96 @@ class NotifyTest(unittest.TestCase):
             self.assertTrue(drain(time.time() + 30, lambda m: "STOPPING=1" in m),
                             f"no STOPPING=1: {messages[-3:]}")
             self.assertEqual(p.wait(timeout=30), 0)
+        finally:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+            listener.close()
+            log.seek(0)
+            sys.stdout.write(log.read()[-2000:] if p.returncode else "")
+            log.close()
+
+    def test_watchdog_pings_while_a_job_is_created(self):
+        """The unit's configuration: model none, the job from a trainer's CreateJob. Creating a
+        large job's state takes seconds to minutes; the watchdog's probe waited for the engine's
+        lock, which CreateJob held all along, so no ping came and systemd restarted hostd. Now
+        the pings go on, STATUS shows the creation's phase, and AttachRank is UNAVAILABLE until
+        the job exists."""
+        tmp = tempfile.mkdtemp(prefix="slidedp-notify-")
+        notify_path = os.path.join(tmp, "notify.sock")
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        listener.bind(notify_path)
+        listener.settimeout(0.1)
+        sock = os.path.join(tmp, "hostd.sock")
+        env = dict(os.environ, NOTIFY_SOCKET=notify_path, WATCHDOG_USEC="400000")
+        env.pop("WATCHDOG_PID", None)
+        log = open(os.path.join(tmp, "hostd.log"), "w+")
+        p = subprocess.Popen([HOSTD, "--model", "none", "--socket", sock, "--instance",
+                              f"nc{os.getpid()}", "--mlock", "best_effort", "--update_threads",
+                              "1", "--checkpoint.prepare_snapshot_pool", "false"],
+                             env=env, stdout=log, stderr=subprocess.STDOUT)
+        messages = []
+        try:
+            deadline = time.time() + 60
+            while not any("READY=1" in m for m in messages):
+                self.assertLess(time.time(), deadline, messages)
+                try:
+                    messages.append(listener.recv(4096).decode())
+                except socket.timeout:
+                    pass
+            channel = grpc.insecure_channel("unix:" + sock)
+            # Four layers of 4000 x 4000 (64M parameters, ~0.9 GiB of shared memory): seconds to
+            # initialize on one update thread.
+            manifest = pb((1, "llama"), (2, "big"),
+                          *[(3, pb((1, f"l{i}"), (2, 2), (3, pb((1, f"l{i}.w"),
+                                                              (2, varint(4000) + varint(4000)),
+                                                              (3, 2)))))
+                            for i in range(4)])
+            request = pb((1, pb((1, "big"), (2, manifest), (5, 1))))
+            result = {}
+
+            def create():
+                try:
+                    channel.unary_unary("/slidedp.v1.Control/CreateJob")(request, timeout=600)
+                    result["ok"] = True
+                except grpc.RpcError as e:
+                    result["error"] = f"{e.code().name}: {e.details()}"
+
+            t0 = time.time()
+            creator = threading.Thread(target=create)
+            creator.start()
+            n0 = len(messages)
+            attach_during = None
+            while creator.is_alive():
+                try:
+                    messages.append(listener.recv(4096).decode())
+                except socket.timeout:
+                    pass
+                if attach_during is None and any("STATUS=creating job 'big'" in m
+                                                  for m in messages[n0:]):
+                    try:
+                        channel.unary_unary("/slidedp.v1.Control/AttachRank")(
+                            pb((2, 0), (3, "0" * 16)), timeout=30)
+                        attach_during = "OK"
+                    except grpc.RpcError as e:
+                        attach_during = f"{e.code().name}: {e.details()}"
+            creation_s = time.time() - t0
+            creator.join()
+            self.assertTrue(result.get("ok"), result)
+            during = messages[n0:]
+            pings = [m for m in during if "WATCHDOG=1" in m]
+            # A ping every 0.2 s; allow for a loaded machine, but a creation without pings (the
+            # old probe) fails: at least one per 0.8 s of creation, and 3 at the least.
+            self.assertGreaterEqual(creation_s, 1.0, "the job was created too fast to tell")
+            self.assertGreaterEqual(len(pings), max(3, int(creation_s / 0.8)),
+                                    f"{len(pings)} pings in {creation_s:.1f} s: {during[-5:]}")
+            self.assertTrue(any("STATUS=creating job 'big':" in m for m in pings), during[:5])
+            self.assertIsNotNone(attach_during, "no STATUS named the creation")
+            self.assertTrue(attach_during.startswith("UNAVAILABLE: creating job 'big'"),
+                            attach_during)
+            channel.close()
+            p.send_signal(signal.SIGTERM)
+            self.assertEqual(p.wait(timeout=60), 0)
         finally:
             if p.poll() is None:
                 p.kill()
@@ -130,6 +231,30 @@ class NotifyTest(unittest.TestCase):
         r = subprocess.run(cmd, capture_output=True, text=True)
         self.assertNotEqual(r.returncode, 0)
         self.assertIn("no_such_key", r.stdout + r.stderr)
+
+
+def varint(v):
+    v &= (1 << 64) - 1
+    out = b""
+    while True:
+        b = v & 0x7F
+        v >>= 7
+        if v:
+            out += bytes([b | 0x80])
+        else:
+            return out + bytes([b])
+
+
+def pb(*fields):
+    """A protobuf message by hand: (number, value), int -> varint, bytes/str -> bytes."""
+    out = b""
+    for num, val in fields:
+        if isinstance(val, int):
+            out += varint(num << 3) + varint(val)
+        else:
+            raw = val.encode() if isinstance(val, str) else val
+            out += varint(num << 3 | 2) + varint(len(raw)) + raw
+    return out
 
 
 if __name__ == "__main__":
