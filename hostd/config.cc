@@ -24,6 +24,7 @@
 #include "absl/strings/str_replace.h"
 #include "absl/strings/str_split.h"
 #include "common/status_macros.h"
+#include "common/tcp_auth.h"
 #include "hostd/job_spec.h"
 #include "toml++/toml.h"
 
@@ -334,6 +335,13 @@ std::vector<KeyDescriptor> BuildKeys() {
                         "Also serve on a loopback TCP address: 127.0.0.1:PORT, [::1]:PORT or "
                         "localhost:PORT (PORT 0 picks a free port). Empty: off.",
                         &HostdConfig::listen_tcp));
+  k.push_back(StringKey("auth_token_file", daemon,
+                        "A file holding the service token (a first line of 32 to 4096 printable "
+                        "characters) that every call over listen_tcp must carry as metadata "
+                        "'authorization: Bearer TOKEN'; owned by hostd's user, nothing for "
+                        "others (0600 or 0640). Required with listen_tcp; clients read it "
+                        "through SLIDEDP_TOKEN_FILE.",
+                        &HostdConfig::auth_token_file));
   k.push_back(StringEnumKey("log_level", daemon, "Log verbosity.",
                             {"trace", "debug", "info", "warn", "error"}, &HostdConfig::log_level));
   k.push_back(StringFnKey(
@@ -730,17 +738,7 @@ absl::Status SetFrom(const KeyDescriptor& d, HostdConfig& c, std::string_view te
 
 using WhereFn = std::function<std::string(std::string_view key)>;
 
-bool IsLoopbackListen(std::string_view addr) {
-  size_t colon = addr.rfind(':');
-  if (colon == std::string_view::npos) return false;
-  const std::string_view host = addr.substr(0, colon);
-  const std::string_view port = addr.substr(colon + 1);
-  if (host != "127.0.0.1" && host != "[::1]" && host != "localhost") return false;
-  if (port.empty() || port.size() > 5) return false;
-  uint32_t p = 0;
-  auto [end, ec] = std::from_chars(port.data(), port.data() + port.size(), p);
-  return ec == std::errc() && end == port.data() + port.size() && p <= 65535;
-}
+bool IsLoopbackListen(std::string_view addr) { return IsLoopbackHostPort(addr, true); }
 
 absl::Status Validate(const HostdConfig& c, const WhereFn& where) {
   auto fail = [&where](std::string_view key, std::string_view msg) {
@@ -773,6 +771,18 @@ absl::Status Validate(const HostdConfig& c, const WhereFn& where) {
                              "' is not a loopback address; expected 127.0.0.1:PORT, [::1]:PORT or "
                              "localhost:PORT with PORT 0..65535, or empty (hostd serves only "
                              "local clients)"));
+  }
+  if (!c.listen_tcp.empty() && c.auth_token_file.empty()) {
+    return fail("listen_tcp",
+                absl::StrCat("'", c.listen_tcp,
+                             "' needs auth_token_file: every local user can reach a TCP port, so "
+                             "calls over it must carry the token of a file only hostd's user and "
+                             "group can read (e.g. `openssl rand -hex 32 > FILE; chmod 0640 "
+                             "FILE`)"));
+  }
+  if (!c.auth_token_file.empty() && c.auth_token_file.front() != '/') {
+    return fail("auth_token_file",
+                absl::StrCat("'", c.auth_token_file, "' must be an absolute path"));
   }
   if (!c.metrics_listen.empty() && c.metrics_listen != "off") {
     const size_t colon = c.metrics_listen.rfind(':');

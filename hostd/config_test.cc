@@ -155,6 +155,8 @@ TEST(ConfigTest, FlagsAlone) {
                                    "false",
                                    "--listen_tcp",
                                    "[::1]:7000",
+                                   "--auth_token_file",
+                                   "/etc/slidedp/token",
                                    "--shm_mode",
                                    "0660",
                                    "--shm_group",
@@ -408,7 +410,7 @@ socket = "/tmp/we\"ird\\path.sock"
        "--warmup_steps", "100",        "--shm_mode",     "0660",
        "--shm_group",    "grp",        "--chunk_bytes",  "12288",
        "--numa_node",    "3",          "--min_lr_ratio", "0.1",
-       "--listen_tcp",   "localhost:0"},
+       "--listen_tcp",   "localhost:0", "--auth_token_file", "/etc/slidedp/token"},
       {{"SLIDEDP_CLIP", "per_layer"}, {"SLIDEDP_MAX_GRAD_NORM", "0.5"}, {"SLIDEDP_INIT", "zeros"}});
   const std::string toml = ConfigToToml(first.entries);
   EXPECT_THAT(toml, HasSubstr("# flag"));
@@ -761,10 +763,24 @@ TEST(ConfigTest, ValidateConfigWithoutSources) {
   f.optimizer.set_total_steps(0);
   EXPECT_TRUE(ValidateConfig(f).ok());  // total_steps 0: no decay
 
-  for (const char* addr : {"127.0.0.1:1", "[::1]:65535", "localhost:50051", ""}) {
+  for (const char* addr : {"127.0.0.1:1", "[::1]:65535", "localhost:50051", "127.0.0.9:1", ""}) {
     HostdConfig g;
     g.listen_tcp = addr;
+    g.auth_token_file = "/etc/slidedp/token";
     EXPECT_TRUE(ValidateConfig(g).ok()) << addr;
+  }
+  // A TCP listener needs the service token (every local user reaches the port), from an
+  // absolute path; "loopback" is exact, not a prefix.
+  HostdConfig t;
+  t.listen_tcp = "127.0.0.1:7070";
+  EXPECT_THAT(Msg(ValidateConfig(t)), HasSubstr("'127.0.0.1:7070' needs auth_token_file"));
+  t.auth_token_file = "token";
+  EXPECT_THAT(Msg(ValidateConfig(t)), HasSubstr("auth_token_file: 'token' must be an absolute"));
+  for (const char* prefix_only : {"127.0.0.1.nip.io:80", "localhost.example:80"}) {
+    HostdConfig u;
+    u.listen_tcp = prefix_only;
+    u.auth_token_file = "/etc/slidedp/token";
+    EXPECT_THAT(Msg(ValidateConfig(u)), HasSubstr("is not a loopback address")) << prefix_only;
   }
 }
 
@@ -808,6 +824,7 @@ TEST(ConfigTest, KeyListAndEnvNames) {
   for (const char* k : {"instance",
                         "socket",
                         "listen_tcp",
+                        "auth_token_file",
                         "model",
                         "seed",
                         "world_size",
@@ -855,7 +872,7 @@ TEST(ConfigTest, KeyListAndEnvNames) {
                         "recovery_on_inconsistent"}) {
     EXPECT_NE(std::find(keys.begin(), keys.end(), k), keys.end()) << k;
   }
-  EXPECT_EQ(keys.size(), 50u);
+  EXPECT_EQ(keys.size(), 51u);
   EXPECT_EQ(ConfigEnvName("world_size"), "SLIDEDP_WORLD_SIZE");
   // A key of a TOML table: the dot becomes '_'.
   EXPECT_EQ(ConfigEnvName("metrics.listen"), "SLIDEDP_METRICS_LISTEN");

@@ -154,8 +154,7 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const HostdConfig& config
                                                        std::vector<ConfigEntry> entries,
                                                        std::optional<Topology> topology,
                                                        CreationProgressFn creation_progress) {
-  std::unique_ptr<Engine> e(
-      new Engine(config, std::move(entries), std::move(creation_progress)));
+  std::unique_ptr<Engine> e(new Engine(config, std::move(entries), std::move(creation_progress)));
   RETURN_IF_ERROR(e->Init(std::move(topology)));
   return e;
 }
@@ -305,10 +304,10 @@ absl::Status Engine::Shutdown(bool remove_state) {
         "the same configuration to re-adopt it (then checkpoint), or remove it with `slidedpctl "
         "cleanup --instance {}`",
         instance, std::string(saved.message()), instance);
-    return absl::DataLossError(absl::StrCat(
-        "no checkpoint holds the final state (", saved.message(),
-        "); the training state stays in /dev/shm/slidedp.", instance,
-        ".*: start hostd again with the same configuration to re-adopt it"));
+    return absl::DataLossError(
+        absl::StrCat("no checkpoint holds the final state (", saved.message(),
+                     "); the training state stays in /dev/shm/slidedp.", instance,
+                     ".*: start hostd again with the same configuration to re-adopt it"));
   }
   state_->set_remove_on_destroy(true);
   return absl::OkStatus();
@@ -697,9 +696,9 @@ absl::Status Engine::ClaimCreation(const std::string& job_id) {
   absl::MutexLock lock(&mu_);
   RETURN_IF_ERROR(CheckServing());
   if (job_ || creating_) {
-    return absl::AlreadyExistsError(absl::StrCat(
-        "a job ", job_ ? "exists" : "is being created", " ('",
-        job_ ? job_->job_id() : creating_->job_id(), "'); this hostd serves one job"));
+    return absl::AlreadyExistsError(absl::StrCat("a job ", job_ ? "exists" : "is being created",
+                                                 " ('", job_ ? job_->job_id() : creating_->job_id(),
+                                                 "'); this hostd serves one job"));
   }
   creating_.emplace();
   creating_->set_job_id(job_id.empty() ? std::string("default") : job_id);
@@ -730,19 +729,18 @@ std::string Engine::CreationLineLocked() const {
       std::chrono::duration<double>(SteadyClock::now() - creation_started_).count();
   std::string progress;
   if (creating_->total() > 0) {
-    progress = creating_->unit() == "bytes"
-                   ? absl::StrFormat(" %.1f/%.1f GiB", creating_->done() / 1073741824.0,
-                                     creating_->total() / 1073741824.0)
-                   : absl::StrCat(" ", creating_->done(), "/", creating_->total(), " ",
-                                  creating_->unit());
+    progress =
+        creating_->unit() == "bytes"
+            ? absl::StrFormat(" %.1f/%.1f GiB", creating_->done() / 1073741824.0,
+                              creating_->total() / 1073741824.0)
+            : absl::StrCat(" ", creating_->done(), "/", creating_->total(), " ", creating_->unit());
   }
   return absl::StrFormat("creating job '%s': %s%s (%.0f s)", creating_->job_id(),
                          creating_->phase(), progress, elapsed);
 }
 
 absl::Status Engine::CreateJobUnlocked(slidedp::v1::JobSpec spec, LoadedModel model,
-                                       const std::string& model_dir,
-                                       const CheckpointInfo* resume) {
+                                       const std::string& model_dir, const CheckpointInfo* resume) {
   // This call owns the creation (ClaimCreation); it ends with the call, whatever the outcome.
   absl::Cleanup ended = [this] {
     absl::MutexLock lock(&mu_);
@@ -860,8 +858,8 @@ absl::Status Engine::CreateJobUnlocked(slidedp::v1::JobSpec spec, LoadedModel mo
     const auto r0 = SteadyClock::now();
     const uint32_t layers = state->num_layers();
     NoteCreation("restoring checkpoint", 0, layers, "layers");
-    absl::Status restored = RestoreCheckpoint(
-        *resume, state.get(), pool_.get(), [this, layers](uint32_t done) {
+    absl::Status restored =
+        RestoreCheckpoint(*resume, state.get(), pool_.get(), [this, layers](uint32_t done) {
           return NoteCreation("restoring checkpoint", done, layers, "layers");
         });
     if (!restored.ok()) {
@@ -995,18 +993,18 @@ absl::StatusOr<slidedp::v1::CreateJobResponse> Engine::CreateJob(
     mu_.Await(absl::Condition(&idle));
     RETURN_IF_ERROR(CheckServing());
     if (job_) {
-    const uint64_t want = ManifestHash(manifest);
-    if (want == state_->manifest_hash() &&
-        (r.spec().job_id().empty() || r.spec().job_id() == job_->job_id())) {
-      // Idempotent: the same model is already loaded (e.g. hostd started with --model).
-      slidedp::v1::CreateJobResponse resp;
-      *resp.mutable_spec() = *job_;
-      return resp;
-    }
-    return absl::AlreadyExistsError(
-        absl::StrCat("a job already exists ('", job_->job_id(), "', manifest ",
-                     ManifestHashHex(state_->manifest_hash()),
-                     "); this hostd serves one job; requested manifest ", ManifestHashHex(want)));
+      const uint64_t want = ManifestHash(manifest);
+      if (want == state_->manifest_hash() &&
+          (r.spec().job_id().empty() || r.spec().job_id() == job_->job_id())) {
+        // Idempotent: the same model is already loaded (e.g. hostd started with --model).
+        slidedp::v1::CreateJobResponse resp;
+        *resp.mutable_spec() = *job_;
+        return resp;
+      }
+      return absl::AlreadyExistsError(
+          absl::StrCat("a job already exists ('", job_->job_id(), "', manifest ",
+                       ManifestHashHex(state_->manifest_hash()),
+                       "); this hostd serves one job; requested manifest ", ManifestHashHex(want)));
     }
   }
   LoadedModel model;
@@ -1073,8 +1071,7 @@ absl::StatusOr<slidedp::v1::AttachRankResponse> Engine::AttachRank(
           absl::StrCat("client_updated_layers: layer ", client_layers[i], " is listed twice"));
     }
   }
-  if (!client_layers.empty() &&
-      worker_->optimizer().clip() == slidedp::v1::CLIP_POLICY_GLOBAL) {
+  if (!client_layers.empty() && worker_->optimizer().clip() == slidedp::v1::CLIP_POLICY_GLOBAL) {
     return absl::FailedPreconditionError(absl::StrCat(
         "client_updated_layers: the job clips by the global norm (clip = global), which needs "
         "every layer's gradient, but the ranks would update layers ",
@@ -1721,8 +1718,8 @@ absl::StatusOr<std::string> Engine::StatusLine(absl::Duration max_wait) {
   const absl::Time deadline = absl::Now() + max_wait;
   while (!mu_.TryLock()) {
     if (absl::Now() >= deadline) {
-      return absl::DeadlineExceededError(absl::StrCat(
-          "the engine's lock was held for more than ", absl::FormatDuration(max_wait)));
+      return absl::DeadlineExceededError(absl::StrCat("the engine's lock was held for more than ",
+                                                      absl::FormatDuration(max_wait)));
     }
     absl::SleepFor(absl::Milliseconds(5));
   }
@@ -2003,8 +2000,7 @@ absl::StatusOr<slidedp::v1::ExportHFResponse> Engine::ExportHF(
   o.isa = isa_;
   o.cancelled = [this] { return stopping_.load(); };
   // Fast checks before waiting for a step boundary.
-  ASSIGN_OR_RETURN(const std::string out_dir,
-                   CheckExportOutDir(r.out_dir(), config_.output_roots));
+  ASSIGN_OR_RETURN(const std::string out_dir, CheckExportOutDir(r.out_dir(), config_.output_roots));
   ASSIGN_OR_RETURN(o.out_dir, CheckExportDestination(out_dir, r.overwrite()));
   uint64_t version = 0;
   {

@@ -463,6 +463,69 @@ TEST_F(EngineTest, StepThroughTheWorkerCompletesAndUpdatesStats) {
   EXPECT_EQ(timeout.code(), absl::StatusCode::kDeadlineExceeded);
 }
 
+// The TCP listener is open to every local user, so the socket's mode protects nothing there:
+// each call over it must carry the service token (it needed none), a listener without a token
+// is refused, and "loopback" is an exact address, not a prefix ("127.0.0.1.nip.io" passed).
+TEST_F(EngineTest, CallsOverTcpCarryTheServiceToken) {
+  auto e = Engine::Create(config_);
+  ASSERT_TRUE(e.ok()) << e.status();
+  engine_ = std::move(*e);
+  const std::string token(48, 'q');
+  for (const char* bad : {"127.0.0.1.nip.io:0", "localhost.example:0", "0.0.0.0:0"}) {
+    auto refused = ControlServer::Start(engine_.get(), {config_.socket, bad, 0600, gid_t(-1), token});
+    EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument) << bad;
+  }
+  auto no_token = ControlServer::Start(engine_.get(), {config_.socket, "127.0.0.1:0", 0600});
+  EXPECT_EQ(no_token.status().code(), absl::StatusCode::kInvalidArgument) << no_token.status();
+  EXPECT_NE(no_token.status().message().find("service token"), std::string::npos);
+  auto s = ControlServer::Start(engine_.get(),
+                                {config_.socket, "127.0.0.1:0", 0600, gid_t(-1), token});
+  ASSERT_TRUE(s.ok()) << s.status();
+  server_ = std::move(*s);
+  const std::string tcp = absl::StrCat("127.0.0.1:", server_->tcp_port());
+  auto over_tcp = v1::Control::NewStub(grpc::CreateChannel(tcp, grpc::InsecureChannelCredentials()));
+  auto status_with = [&](v1::Control::Stub* stub, const std::string& bearer) {
+    grpc::ClientContext ctx;
+    if (!bearer.empty()) ctx.AddMetadata("authorization", bearer);
+    v1::GetStatusResponse st;
+    return stub->GetStatus(&ctx, v1::GetStatusRequest(), &st);
+  };
+  grpc::Status none = status_with(over_tcp.get(), "");
+  EXPECT_EQ(none.error_code(), grpc::StatusCode::UNAUTHENTICATED) << none.error_message();
+  EXPECT_NE(none.error_message().find("SLIDEDP_TOKEN_FILE"), std::string::npos);
+  EXPECT_EQ(status_with(over_tcp.get(), "Bearer " + std::string(48, 'x')).error_code(),
+            grpc::StatusCode::UNAUTHENTICATED);
+  EXPECT_EQ(status_with(over_tcp.get(), token).error_code(), grpc::StatusCode::UNAUTHENTICATED);
+  EXPECT_TRUE(status_with(over_tcp.get(), "Bearer " + token).ok());
+  {
+    grpc::ClientContext ctx;  // a rank RPC too, before anything else is checked
+    v1::AttachRankRequest req;
+    req.set_manifest_hash(Hash());
+    v1::AttachRankResponse resp;
+    EXPECT_EQ(over_tcp->AttachRank(&ctx, req, &resp).error_code(),
+              grpc::StatusCode::UNAUTHENTICATED);
+  }
+  // The unix socket needs none: its mode is the access control.
+  channel_ = grpc::CreateChannel("unix:" + config_.socket, grpc::InsecureChannelCredentials());
+  stub_ = v1::Control::NewStub(channel_);
+  EXPECT_TRUE(status_with(stub_.get(), "").ok());
+  // A rank over TCP reads the token from its file and trains; without one it is told how.
+  const std::string file = (dir_ / "token").string();
+  { std::ofstream(file) << token << "\n"; }
+  ASSERT_EQ(chmod(file.c_str(), 0640), 0);
+  rankclient::RankClient::Options o;
+  o.tcp = tcp;
+  o.manifest_hash = Hash();
+  o.timeout_ms = 10000;
+  auto untokened = rankclient::RankClient::Attach(o);
+  EXPECT_EQ(untokened.status().code(), absl::StatusCode::kFailedPrecondition)
+      << untokened.status();
+  o.token_file = file;
+  auto rank = rankclient::RankClient::Attach(o);
+  ASSERT_TRUE(rank.ok()) << rank.status();
+  EXPECT_TRUE((*rank)->BeginStep(1, std::chrono::seconds(10)).ok());
+}
+
 // Stalls the thread that touches g_stall_page (PROT_NONE) until the test releases it: the
 // reader is held in the middle of its pass with whatever locks it holds, and nothing in hostd
 // needs a hook for it.

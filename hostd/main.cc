@@ -15,6 +15,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/instance_files.h"
+#include "common/tcp_auth.h"
 #include "hostd/config.h"
 #include "hostd/engine.h"
 #include "hostd/metrics.h"
@@ -68,6 +69,16 @@ int main(int argc, char** argv) {
   pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
   signal(SIGPIPE, SIG_IGN);
 
+  // The TCP listener's token first: a bad file fails the start before minutes of job creation.
+  std::string tcp_token;
+  if (!config.listen_tcp.empty()) {
+    auto token = slidedp::ReadServiceToken(config.auth_token_file, /*for_server=*/true);
+    if (!token.ok()) {
+      spdlog::error("startup failed: auth_token_file: {}", token.status().ToString());
+      return 1;
+    }
+    tcp_token = *std::move(token);
+  }
   ServiceNotifier notifier;
   notifier.Status(config.model == "none" ? "starting"
                                          : "creating the job's state for " + config.model);
@@ -111,6 +122,7 @@ int main(int argc, char** argv) {
     return 1;
   }
   so.socket_group = *socket_group;
+  so.tcp_token = tcp_token;
   auto server = ControlServer::Start(engine->get(), so);
   if (!server.ok()) {
     spdlog::error("startup failed: {}", server.status().ToString());

@@ -249,8 +249,8 @@ class UpdateWorker {
   std::map<uint64_t, std::vector<Item>> pending_global_ ABSL_GUARDED_BY(mu_);
   std::map<uint64_t, std::vector<bool>> submitted_ ABSL_GUARDED_BY(mu_);
   std::map<uint64_t, slidedp::v1::ClipPolicy> step_clip_ ABSL_GUARDED_BY(mu_);  // latest steps
-  std::map<uint32_t, OpenStream> open_streams_ ABSL_GUARDED_BY(mu_);  // by layer
-  std::vector<uint32_t> torn_ ABSL_GUARDED_BY(mu_);                   // ascending
+  std::map<uint32_t, OpenStream> open_streams_ ABSL_GUARDED_BY(mu_);            // by layer
+  std::vector<uint32_t> torn_ ABSL_GUARDED_BY(mu_);                             // ascending
   uint64_t aborted_through_ ABSL_GUARDED_BY(mu_) = 0;  // every step <= this is aborted
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   UpdateStats stats_ ABSL_GUARDED_BY(mu_);

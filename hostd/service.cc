@@ -18,6 +18,7 @@
 #include "absl/time/time.h"
 #include "common/shm_segment.h"
 #include "common/status_macros.h"
+#include "common/tcp_auth.h"
 #include "slidedp/v1/control.grpc.pb.h"
 #include "spdlog/spdlog.h"
 
@@ -90,89 +91,122 @@ absl::Time DeadlineOf(const grpc::ServerContext* ctx) {
   return absl::FromChrono(d);
 }
 
-bool IsLoopback(const std::string& hostport) {
-  return absl::StartsWith(hostport, "127.") || absl::StartsWith(hostport, "localhost:") ||
-         absl::StartsWith(hostport, "[::1]:");
+// Calls over the TCP listener carry the service token; over the unix socket its mode decides.
+absl::Status Authorize(const grpc::ServerContext* ctx, const std::string& token) {
+  const std::string peer = ctx->peer();
+  if (!absl::StartsWith(peer, "ipv4:") && !absl::StartsWith(peer, "ipv6:")) {
+    return absl::OkStatus();
+  }
+  const auto& md = ctx->client_metadata();
+  for (auto it = md.find(kAuthMetadataKey); it != md.end() && it->first == kAuthMetadataKey; ++it) {
+    if (BearerMatches(std::string_view(it->second.data(), it->second.size()), token)) {
+      return absl::OkStatus();
+    }
+  }
+  return absl::UnauthenticatedError(
+      absl::StrCat("this call came over TCP (", peer,
+                   ") without hostd's service token: send metadata '", kAuthMetadataKey,
+                   ": Bearer <token>' with the token of hostd's auth_token_file (clients "
+                   "read it through ",
+                   kTokenFileEnv, "; slidedpctl --token-file)"));
 }
 
 }  // namespace
 
 class ControlServer::Impl final : public v1::Control::Service {
  public:
-  explicit Impl(Engine* engine) : engine_(engine) {}
+  Impl(Engine* engine, std::string tcp_token) : engine_(engine), tcp_token_(std::move(tcp_token)) {}
 
-  grpc::Status Handshake(grpc::ServerContext*, const v1::HandshakeRequest* req,
+  grpc::Status Handshake(grpc::ServerContext* ctx, const v1::HandshakeRequest* req,
                          v1::HandshakeResponse* resp) override {
+    if (absl::Status a = Authorize(ctx, tcp_token_); !a.ok()) return ToGrpcStatus(a);
     return Reply(engine_->Handshake(*req), resp);
   }
-  grpc::Status CreateJob(grpc::ServerContext*, const v1::CreateJobRequest* req,
+  grpc::Status CreateJob(grpc::ServerContext* ctx, const v1::CreateJobRequest* req,
                          v1::CreateJobResponse* resp) override {
+    if (absl::Status a = Authorize(ctx, tcp_token_); !a.ok()) return ToGrpcStatus(a);
     return Reply(engine_->CreateJob(*req), resp);
   }
-  grpc::Status AttachRank(grpc::ServerContext*, const v1::AttachRankRequest* req,
+  grpc::Status AttachRank(grpc::ServerContext* ctx, const v1::AttachRankRequest* req,
                           v1::AttachRankResponse* resp) override {
+    if (absl::Status a = Authorize(ctx, tcp_token_); !a.ok()) return ToGrpcStatus(a);
     return Reply(engine_->AttachRank(*req), resp);
   }
-  grpc::Status DetachRank(grpc::ServerContext*, const v1::DetachRankRequest* req,
+  grpc::Status DetachRank(grpc::ServerContext* ctx, const v1::DetachRankRequest* req,
                           v1::DetachRankResponse*) override {
+    if (absl::Status a = Authorize(ctx, tcp_token_); !a.ok()) return ToGrpcStatus(a);
     return ToGrpcStatus(engine_->DetachRank(*req));
   }
   grpc::Status BeginStep(grpc::ServerContext* ctx, const v1::BeginStepRequest* req,
                          v1::BeginStepResponse* resp) override {
+    if (absl::Status a = Authorize(ctx, tcp_token_); !a.ok()) return ToGrpcStatus(a);
     return Reply(engine_->BeginStep(*req, DeadlineOf(ctx)), resp);
   }
-  grpc::Status AbortStep(grpc::ServerContext*, const v1::AbortStepRequest* req,
+  grpc::Status AbortStep(grpc::ServerContext* ctx, const v1::AbortStepRequest* req,
                          v1::AbortStepResponse*) override {
+    if (absl::Status a = Authorize(ctx, tcp_token_); !a.ok()) return ToGrpcStatus(a);
     return ToGrpcStatus(engine_->AbortStep(*req));
   }
-  grpc::Status PublishCommId(grpc::ServerContext*, const v1::PublishCommIdRequest* req,
+  grpc::Status PublishCommId(grpc::ServerContext* ctx, const v1::PublishCommIdRequest* req,
                              v1::PublishCommIdResponse*) override {
+    if (absl::Status a = Authorize(ctx, tcp_token_); !a.ok()) return ToGrpcStatus(a);
     return ToGrpcStatus(engine_->PublishCommId(*req));
   }
-  grpc::Status FetchCommId(grpc::ServerContext*, const v1::FetchCommIdRequest* req,
+  grpc::Status FetchCommId(grpc::ServerContext* ctx, const v1::FetchCommIdRequest* req,
                            v1::FetchCommIdResponse* resp) override {
+    if (absl::Status a = Authorize(ctx, tcp_token_); !a.ok()) return ToGrpcStatus(a);
     return Reply(engine_->FetchCommId(*req), resp);
   }
-  grpc::Status GetStatus(grpc::ServerContext*, const v1::GetStatusRequest*,
+  grpc::Status GetStatus(grpc::ServerContext* ctx, const v1::GetStatusRequest*,
                          v1::GetStatusResponse* resp) override {
+    if (absl::Status a = Authorize(ctx, tcp_token_); !a.ok()) return ToGrpcStatus(a);
     return Reply(engine_->GetStatus(), resp);
   }
-  grpc::Status ListLayers(grpc::ServerContext*, const v1::ListLayersRequest* req,
+  grpc::Status ListLayers(grpc::ServerContext* ctx, const v1::ListLayersRequest* req,
                           v1::ListLayersResponse* resp) override {
+    if (absl::Status a = Authorize(ctx, tcp_token_); !a.ok()) return ToGrpcStatus(a);
     return Reply(engine_->ListLayers(*req), resp);
   }
-  grpc::Status ListRanks(grpc::ServerContext*, const v1::ListRanksRequest* req,
+  grpc::Status ListRanks(grpc::ServerContext* ctx, const v1::ListRanksRequest* req,
                          v1::ListRanksResponse* resp) override {
+    if (absl::Status a = Authorize(ctx, tcp_token_); !a.ok()) return ToGrpcStatus(a);
     return Reply(engine_->ListRanks(*req), resp);
   }
-  grpc::Status GetStats(grpc::ServerContext*, const v1::GetStatsRequest* req,
+  grpc::Status GetStats(grpc::ServerContext* ctx, const v1::GetStatsRequest* req,
                         v1::GetStatsResponse* resp) override {
+    if (absl::Status a = Authorize(ctx, tcp_token_); !a.ok()) return ToGrpcStatus(a);
     return Reply(engine_->GetStats(*req), resp);
   }
-  grpc::Status GetConfig(grpc::ServerContext*, const v1::GetConfigRequest*,
+  grpc::Status GetConfig(grpc::ServerContext* ctx, const v1::GetConfigRequest*,
                          v1::GetConfigResponse* resp) override {
+    if (absl::Status a = Authorize(ctx, tcp_token_); !a.ok()) return ToGrpcStatus(a);
     *resp = engine_->GetConfig();
     return grpc::Status::OK;
   }
-  grpc::Status UpdateHyperParams(grpc::ServerContext*, const v1::UpdateHyperParamsRequest* req,
+  grpc::Status UpdateHyperParams(grpc::ServerContext* ctx, const v1::UpdateHyperParamsRequest* req,
                                  v1::UpdateHyperParamsResponse* resp) override {
+    if (absl::Status a = Authorize(ctx, tcp_token_); !a.ok()) return ToGrpcStatus(a);
     return Reply(engine_->UpdateHyperParams(*req), resp);
   }
-  grpc::Status ExportHF(grpc::ServerContext*, const v1::ExportHFRequest* req,
+  grpc::Status ExportHF(grpc::ServerContext* ctx, const v1::ExportHFRequest* req,
                         v1::ExportHFResponse* resp) override {
+    if (absl::Status a = Authorize(ctx, tcp_token_); !a.ok()) return ToGrpcStatus(a);
     return Reply(engine_->ExportHF(*req), resp);
   }
 
-  grpc::Status Checkpoint(grpc::ServerContext*, const v1::CheckpointRequest* req,
+  grpc::Status Checkpoint(grpc::ServerContext* ctx, const v1::CheckpointRequest* req,
                           v1::CheckpointResponse* resp) override {
+    if (absl::Status a = Authorize(ctx, tcp_token_); !a.ok()) return ToGrpcStatus(a);
     return Reply(engine_->Checkpoint(*req), resp);
   }
-  grpc::Status UploadClientLayer(grpc::ServerContext*, const v1::UploadClientLayerRequest* req,
+  grpc::Status UploadClientLayer(grpc::ServerContext* ctx, const v1::UploadClientLayerRequest* req,
                                  v1::UploadClientLayerResponse* resp) override {
+    if (absl::Status a = Authorize(ctx, tcp_token_); !a.ok()) return ToGrpcStatus(a);
     return Reply(engine_->UploadClientLayer(*req), resp);
   }
-  grpc::Status ReadClientLayer(grpc::ServerContext*, const v1::ReadClientLayerRequest* req,
+  grpc::Status ReadClientLayer(grpc::ServerContext* ctx, const v1::ReadClientLayerRequest* req,
                                v1::ReadClientLayerResponse* resp) override {
+    if (absl::Status a = Authorize(ctx, tcp_token_); !a.ok()) return ToGrpcStatus(a);
     return Reply(engine_->ReadClientLayer(*req), resp);
   }
 
@@ -181,6 +215,7 @@ class ControlServer::Impl final : public v1::Control::Service {
   grpc::Status Session(
       grpc::ServerContext* ctx,
       grpc::ServerReaderWriter<v1::SessionEvent, v1::SessionClientMessage>* stream) override {
+    if (absl::Status a = Authorize(ctx, tcp_token_); !a.ok()) return ToGrpcStatus(a);
     v1::SessionClientMessage first;
     if (!stream->Read(&first)) return grpc::Status::OK;
     if (!first.has_open()) {
@@ -228,6 +263,7 @@ class ControlServer::Impl final : public v1::Control::Service {
 
  private:
   Engine* const engine_;
+  const std::string tcp_token_;
 };
 
 absl::StatusOr<std::unique_ptr<ControlServer>> ControlServer::Start(Engine* engine,
@@ -235,13 +271,18 @@ absl::StatusOr<std::unique_ptr<ControlServer>> ControlServer::Start(Engine* engi
   if (options.socket_path.empty() && options.listen_tcp.empty()) {
     return absl::InvalidArgumentError("socket: no unix socket and no listen_tcp configured");
   }
-  if (!options.listen_tcp.empty() && !IsLoopback(options.listen_tcp)) {
+  if (!options.listen_tcp.empty() && !IsLoopbackHostPort(options.listen_tcp, true)) {
     return absl::InvalidArgumentError(absl::StrCat(
         "listen_tcp: '", options.listen_tcp,
         "' is not a loopback address; expected 127.0.0.1:PORT, [::1]:PORT or localhost:PORT"));
   }
+  if (!options.listen_tcp.empty() && options.tcp_token.size() < kMinTokenChars) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "listen_tcp: '", options.listen_tcp,
+        "' needs the service token (auth_token_file): every local user can reach a TCP port"));
+  }
   std::unique_ptr<ControlServer> s(new ControlServer());
-  s->impl_ = std::make_unique<Impl>(engine);
+  s->impl_ = std::make_unique<Impl>(engine, options.tcp_token);
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;

@@ -3,7 +3,10 @@
 // never run Adam, casts or copies. Engine statuses are translated once, keeping the message.
 //
 // Transport: a unix socket (default), and loopback TCP only when configured. A socket file left
-// by a dead hostd is removed; one that still accepts connections is FAILED_PRECONDITION.
+// by a dead hostd is removed; one that still accepts connections is FAILED_PRECONDITION. The
+// socket's mode and group are its access control; every call that arrives over TCP must carry
+// the service token (common/tcp_auth.h), else UNAUTHENTICATED (grpc.health.v1 and reflection,
+// which reveal nothing of the job, answer without it).
 //
 // Thread safety: Start/Shutdown/Wait from the owning thread; handlers run on gRPC's threads.
 #pragma once
@@ -32,6 +35,7 @@ class ControlServer {
     std::string listen_tcp;                       // loopback host:port; empty: none
     mode_t socket_mode = 0600;                    // shm_mode
     gid_t socket_group = static_cast<gid_t>(-1);  // shm_group's gid; -1: hostd's group
+    std::string tcp_token;  // required with listen_tcp (auth_token_file's, ReadServiceToken)
   };
   static absl::StatusOr<std::unique_ptr<ControlServer>> Start(Engine* engine,
                                                               const Options& options);

@@ -14,6 +14,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
+#include "common/tcp_auth.h"
 #include "common/version.h"
 #include "slidedp/v1/control.grpc.pb.h"
 
@@ -140,6 +141,18 @@ absl::Status RankClient::Init() {
   // ReadClientLayer answers carry up to 16 MiB of layer state.
   args.SetMaxReceiveMessageSize(20 << 20);
   args.SetMaxSendMessageSize(20 << 20);
+  if (!options_.tcp.empty()) {
+    // Over TCP every call carries hostd's service token (common/tcp_auth.h).
+    const std::string file = !options_.token_file.empty()      ? options_.token_file
+                             : std::getenv(kTokenFileEnv) != nullptr ? std::getenv(kTokenFileEnv)
+                                                                     : "";
+    if (file.empty()) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "tcp: hostd's TCP listener needs its service token: set ", kTokenFileEnv,
+          " (or Options::token_file) to a copy of hostd's auth_token_file"));
+    }
+    ASSIGN_OR_RETURN(tcp_token_, ReadServiceToken(file, /*for_server=*/false));
+  }
   session_->channel = grpc::CreateCustomChannel(target, grpc::InsecureChannelCredentials(), args);
   session_->stub = v1::Control::NewStub(session_->channel);
   auto deadline = [&] {
@@ -147,6 +160,7 @@ absl::Status RankClient::Init() {
   };
   {
     grpc::ClientContext ctx;
+    AddAuth(&ctx);
     ctx.set_deadline(deadline());
     ctx.set_wait_for_ready(false);
     v1::HandshakeRequest req;
@@ -162,6 +176,7 @@ absl::Status RankClient::Init() {
   v1::AttachRankResponse attach;
   {
     grpc::ClientContext ctx;
+    AddAuth(&ctx);
     ctx.set_deadline(deadline());
     v1::AttachRankRequest req;
     req.set_job_id(options_.job_id);
@@ -265,6 +280,7 @@ absl::Status RankClient::Init() {
 
   // The session stream: liveness for hostd, events for us.
   Session* s = session_.get();
+  AddAuth(&s->ctx);
   s->stream = s->stub->Session(&s->ctx);
   v1::SessionClientMessage open;
   open.mutable_open()->set_job_id(options_.job_id);
@@ -296,6 +312,10 @@ absl::Status RankClient::Init() {
 }
 
 RankClient::~RankClient() { Detach().IgnoreError(); }
+
+void RankClient::AddAuth(grpc::ClientContext* ctx) const {
+  if (!tcp_token_.empty()) ctx->AddMetadata(kAuthMetadataKey, BearerValue(tcp_token_));
+}
 
 absl::Status RankClient::CheckLayer(uint32_t layer) const {
   if (layer < num_layers()) return absl::OkStatus();
@@ -355,6 +375,7 @@ absl::Status RankClient::WaitOn(uint32_t* word, Ready ready, Clock::time_point d
 absl::Status RankClient::BeginStep(uint64_t step, std::chrono::milliseconds timeout) {
   if (detached_) return absl::FailedPreconditionError("rank is detached");
   grpc::ClientContext ctx;
+  AddAuth(&ctx);
   ctx.set_deadline(std::chrono::system_clock::now() + timeout);
   v1::BeginStepRequest req;
   req.set_job_id(job_id_);
@@ -598,6 +619,7 @@ absl::Status RankClient::PushGrad(uint64_t step, uint32_t layer, const void* dat
 absl::Status RankClient::PublishCommId(const std::string& unique_id, uint64_t generation,
                                        std::chrono::milliseconds timeout) {
   grpc::ClientContext ctx;
+  AddAuth(&ctx);
   ctx.set_deadline(std::chrono::system_clock::now() + timeout);
   v1::PublishCommIdRequest req;
   req.set_job_id(job_id_);
@@ -612,6 +634,7 @@ absl::Status RankClient::PublishCommId(const std::string& unique_id, uint64_t ge
 absl::StatusOr<std::string> RankClient::FetchCommId(uint64_t generation,
                                                     std::chrono::milliseconds timeout) {
   grpc::ClientContext ctx;
+  AddAuth(&ctx);
   ctx.set_deadline(std::chrono::system_clock::now() + timeout + std::chrono::seconds(5));
   v1::FetchCommIdRequest req;
   req.set_job_id(job_id_);
@@ -656,6 +679,7 @@ absl::StatusOr<bool> RankClient::UploadClientLayer(uint64_t step, uint32_t layer
     req.set_offset(offset + done);
     req.set_data(reinterpret_cast<const char*>(data + done), n * sizeof(float));
     grpc::ClientContext ctx;
+    AddAuth(&ctx);
     ctx.set_deadline(std::chrono::system_clock::now() +
                      std::chrono::milliseconds(options_.timeout_ms));
     v1::UploadClientLayerResponse resp;
@@ -682,6 +706,7 @@ absl::Status RankClient::ReadClientLayer(uint32_t layer, uint32_t part, uint64_t
     req.set_offset(offset + done);
     req.set_count(n);
     grpc::ClientContext ctx;
+    AddAuth(&ctx);
     ctx.set_deadline(std::chrono::system_clock::now() +
                      std::chrono::milliseconds(options_.timeout_ms));
     v1::ReadClientLayerResponse resp;
@@ -699,6 +724,7 @@ absl::Status RankClient::ReadClientLayer(uint32_t layer, uint32_t part, uint64_t
 
 absl::StatusOr<v1::JobStatus> RankClient::JobStatus() const {
   grpc::ClientContext ctx;
+  AddAuth(&ctx);
   ctx.set_deadline(std::chrono::system_clock::now() +
                    std::chrono::milliseconds(options_.timeout_ms));
   v1::GetStatusResponse resp;
@@ -739,6 +765,7 @@ absl::Status RankClient::Detach() {
   absl::Status result;
   if (session_ && session_->stub && !session_->lost.load()) {
     grpc::ClientContext ctx;
+    AddAuth(&ctx);
     ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
     v1::DetachRankRequest req;
     req.set_job_id(job_id_);

@@ -52,6 +52,10 @@
 #include "proto/shm_abi.h"
 #include "slidedp/v1/control.pb.h"
 
+namespace grpc {
+class ClientContext;
+}  // namespace grpc
+
 namespace slidedp::rankclient {
 
 class RankClient {
@@ -59,6 +63,9 @@ class RankClient {
   struct Options {
     std::string socket;  // hostd's unix socket ("unix:" prefix optional)
     std::string tcp;     // or a loopback host:port
+    // With `tcp`: the file holding hostd's service token (common/tcp_auth.h); empty:
+    // $SLIDEDP_TOKEN_FILE.
+    std::string token_file;
     std::string job_id;  // empty: hostd's job
     uint32_t rank = 0;
     std::string manifest_hash;    // the rank's model; must equal the job's
@@ -221,6 +228,8 @@ class RankClient {
   struct Session;
   explicit RankClient(Options options);
   absl::Status Init();
+  // Adds the service token to a call over TCP (none over the unix socket).
+  void AddAuth(grpc::ClientContext* ctx) const;
   // For the current step (step_, abort_epoch_).
   absl::Status CheckLive() const;
   // For the step of a push ticket (the gradient path).
@@ -240,6 +249,7 @@ class RankClient {
   slidedp::v1::Layout layout_;
   std::string job_id_;
   std::string token_;
+  std::string tcp_token_;  // hostd's service token, sent on every call over TCP
   std::unique_ptr<Session> session_;
   ShmSegment control_;
   ShmSegment params_;

@@ -12,6 +12,7 @@
 #include "absl/strings/cord.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "common/tcp_auth.h"
 #include "common/version.h"
 #include "grpcpp/grpcpp.h"
 
@@ -21,19 +22,6 @@ namespace {
 absl::Status FromGrpc(const grpc::Status& status) {
   // grpc::StatusCode and absl::StatusCode share the canonical numbering.
   return absl::Status(static_cast<absl::StatusCode>(status.error_code()), status.error_message());
-}
-
-bool IsLoopbackHost(absl::string_view host) {
-  if (host == "localhost") return true;
-  const std::string h(host);
-  in_addr v4{};
-  if (inet_pton(AF_INET, h.c_str(), &v4) == 1) return (ntohl(v4.s_addr) >> 24) == 127;
-  if (h.size() > 2 && h.front() == '[' && h.back() == ']') {
-    in6_addr v6{};
-    const std::string inner = h.substr(1, h.size() - 2);
-    return inet_pton(AF_INET6, inner.c_str(), &v6) == 1 && IN6_IS_ADDR_LOOPBACK(&v6);
-  }
-  return false;
 }
 
 absl::Status CheckSocket(const std::string& path) {
@@ -67,7 +55,7 @@ absl::StatusOr<Endpoint> MakeTcpEndpoint(absl::string_view host_port) {
     return absl::InvalidArgumentError(
         absl::StrCat("--tcp: port must be in 1..65535, got \"", host_port.substr(colon + 1), "\""));
   }
-  if (!IsLoopbackHost(host)) {
+  if (!IsLoopbackHostPort(std::string_view(host_port.data(), host_port.size()), false)) {
     return absl::InvalidArgumentError(
         absl::StrCat("--tcp: host must be a loopback address (localhost, 127.0.0.0/8, [::1]) "
                      "because the channel is unauthenticated, got \"",
@@ -106,7 +94,9 @@ absl::StatusOr<ControlClient> ControlClient::Connect(const Endpoint& endpoint, i
   args.SetUserAgentPrefix(absl::StrCat("slidedpctl/", kVersion));
   std::shared_ptr<grpc::Channel> channel =
       grpc::CreateCustomChannel(endpoint.target, grpc::InsecureChannelCredentials(), args);
-  return ControlClient(v1::Control::NewStub(channel), timeout_ms);
+  ControlClient client(v1::Control::NewStub(channel), timeout_ms);
+  client.token_ = endpoint.token;
+  return client;
 }
 
 ControlClient::ControlClient(std::unique_ptr<v1::Control::StubInterface> stub, int64_t timeout_ms)
@@ -119,6 +109,7 @@ absl::StatusOr<Response> ControlClient::Call(Method method, const Request& reque
   const auto deadline = std::chrono::system_clock::now() + std::chrono::milliseconds(deadline_ms);
   grpc::ClientContext context;
   context.set_deadline(deadline);
+  if (!token_.empty()) context.AddMetadata(kAuthMetadataKey, BearerValue(token_));
   Response response;
   const grpc::Status grpc_status = ((*stub_).*method)(&context, request, &response);
   if (grpc_status.ok()) return response;

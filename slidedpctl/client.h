@@ -5,9 +5,9 @@
 // deadline says so in a payload (kClientDeadlinePayload). Classifying a failure as
 // "unreachable" vs "rejected" is the caller's job (see IsUnreachable).
 //
-// The channel is unauthenticated (insecure credentials): over a unix socket the filesystem
-// permissions of the socket are the access control, and TCP endpoints are limited to loopback
-// addresses by MakeTcpEndpoint.
+// The channel has insecure credentials: over a unix socket the filesystem permissions of the
+// socket are the access control; TCP endpoints are limited to loopback addresses by
+// MakeTcpEndpoint, and every call over one carries hostd's service token (Endpoint::token).
 //
 // Thread safety: a ControlClient may be used from several threads (gRPC stubs are thread-safe),
 // but slidedpctl uses each one from a single thread.
@@ -29,6 +29,7 @@ namespace slidedp::ctl {
 struct Endpoint {
   std::string target;       // gRPC target: "unix:/run/slidedp/hostd.sock" or "127.0.0.1:7070"
   std::string socket_path;  // the unix socket path; empty for TCP
+  std::string token;        // TCP: hostd's service token, sent with every call (tcp_auth.h)
 };
 
 Endpoint MakeUnixEndpoint(absl::string_view socket_path);
@@ -92,6 +93,7 @@ class ControlClient {
 
   std::unique_ptr<v1::Control::StubInterface> stub_;
   int64_t timeout_ms_;
+  std::string token_;
 };
 
 }  // namespace slidedp::ctl

@@ -21,6 +21,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/string_view.h"
+#include "common/tcp_auth.h"
 #include "common/version.h"
 #include "hostd/checkpoint_format.h"
 #include "hostd/config.h"
@@ -38,7 +39,8 @@ namespace slidedp::ctl {
 namespace {
 
 constexpr char kFooter[] = R"(Environment:
-  SLIDEDP_SOCKET  hostd's socket when --socket is not given (default /run/slidedp/hostd.sock)
+  SLIDEDP_SOCKET      hostd's socket when --socket is not given (default /run/slidedp/hostd.sock)
+  SLIDEDP_TOKEN_FILE  with --tcp: hostd's service token file when --token-file is not given
 
 Exit codes:
   0  success
@@ -53,6 +55,7 @@ Exit codes:
 struct GlobalOptions {
   std::string socket_path;
   std::string tcp;
+  std::string token_file;
   int64_t timeout_ms = kDefaultTimeoutMs;
   bool json = false;
 };
@@ -483,9 +486,15 @@ int Run(const std::vector<std::string>& args, std::ostream& out, std::ostream& e
       app.add_option("--socket", options.socket_path,
                      "hostd's unix socket (default: $SLIDEDP_SOCKET, else /run/slidedp/hostd.sock)")
           ->type_name("PATH");
-  app.add_option("--tcp", options.tcp, "reach hostd over loopback TCP instead of a unix socket")
-      ->type_name("HOST:PORT")
-      ->excludes(socket_opt);
+  CLI::Option* tcp_opt =
+      app.add_option("--tcp", options.tcp, "reach hostd over loopback TCP instead of a unix socket")
+          ->type_name("HOST:PORT")
+          ->excludes(socket_opt);
+  app.add_option("--token-file", options.token_file,
+                 "with --tcp: the file holding hostd's service token (its auth_token_file; "
+                 "default: $SLIDEDP_TOKEN_FILE)")
+      ->type_name("PATH")
+      ->needs(tcp_opt);
   app.add_option("--timeout-ms", options.timeout_ms, "deadline of each request to hostd")
       ->check(CLI::Range(int64_t{1}, int64_t{3'600'000}))
       ->capture_default_str();
@@ -666,6 +675,19 @@ int Run(const std::vector<std::string>& args, std::ostream& out, std::ostream& e
       return kExitUsage;
     }
     endpoint = *std::move(tcp);
+    std::string file = options.token_file;
+    if (file.empty()) {
+      const char* env = std::getenv(kTokenFileEnv);
+      if (env != nullptr) file = env;
+    }
+    if (!file.empty()) {
+      absl::StatusOr<std::string> token = ReadServiceToken(file, /*for_server=*/false);
+      if (!token.ok()) {
+        err << "slidedpctl: --token-file: " << token.status().message() << '\n';
+        return kExitUsage;
+      }
+      endpoint.token = *std::move(token);
+    }
   } else {
     std::string path = options.socket_path;
     if (path.empty()) {

@@ -84,6 +84,47 @@ class HostdCliTest(unittest.TestCase):
         self.daemons.append(d)
         return d
 
+    def test_tcp_listener_needs_the_service_token(self):
+        """Issue #17 point 11: the loopback TCP listener is open to every local user, so hostd
+        serves it only with an auth_token_file nobody else can read, and every call over it
+        carries the token (they needed none)."""
+        import socket as pysocket
+        with pysocket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        token_file = os.path.join(self.tmp, "token")
+        with open(token_file, "w") as f:
+            f.write("t" * 40 + "\n")
+        os.chmod(token_file, 0o644)
+        tag = f"cli{os.getpid()}tcp"
+        sock = os.path.join(self.tmp, "tcp.sock")
+        base = [HOSTD, "--model", "tiny", "--socket", sock, "--instance", tag,
+                "--listen_tcp", f"127.0.0.1:{port}"]
+        r = subprocess.run(base, capture_output=True, text=True, timeout=60)
+        self.assertEqual(r.returncode, 2, r.stderr)  # no auth_token_file: refused by the config
+        self.assertIn("needs auth_token_file", r.stderr)
+        r = subprocess.run(base + ["--auth_token_file", token_file], capture_output=True,
+                           text=True, timeout=60)
+        self.assertEqual(r.returncode, 1, r.stdout + r.stderr)  # readable by others
+        self.assertIn("mode 0644", r.stdout + r.stderr)
+        os.chmod(token_file, 0o640)
+        d = self.start("tiny", "tcp", "--listen_tcp", f"127.0.0.1:{port}", "--auth_token_file",
+                       token_file)
+        env = {k: v for k, v in os.environ.items() if k != "SLIDEDP_TOKEN_FILE"}
+        tcp = [SLIDEDPCTL, "--tcp", f"127.0.0.1:{port}"]
+        r = subprocess.run(tcp + ["status", "--json"], capture_output=True, text=True,
+                           timeout=60, env=env)
+        self.assertEqual(r.returncode, 4, r.stdout + r.stderr)
+        self.assertIn("UNAUTHENTICATED", r.stderr)
+        r = subprocess.run(tcp + ["--token-file", token_file, "status", "--json"],
+                           capture_output=True, text=True, timeout=60, env=env)
+        self.assertEqual(r.returncode, 0, r.stderr)
+        self.assertEqual(json.loads(r.stdout)["job"]["job_id"], "default")
+        r = subprocess.run(tcp + ["status"], capture_output=True, text=True, timeout=60,
+                           env=dict(env, SLIDEDP_TOKEN_FILE=token_file))
+        self.assertEqual(r.returncode, 0, r.stderr)
+        self.assertEqual(d.stop(), 0)
+
     def check_status_json(self, d, expected_layers):
         st = json.loads(d.ctl("status", "--json").stdout)
         layers = st["layers"]
