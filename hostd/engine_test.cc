@@ -1056,6 +1056,7 @@ TEST_F(EngineTest, CommIdsLiveWithRankZerosAttachmentAcrossAttachCycles) {
 // leaves the new attachment alone: sessions were keyed by the rank number only, so the old
 // stream's end detached the new rank.
 TEST_F(EngineTest, AStaleSessionClosingDoesNotDropTheNewAttachment) {
+  config_.heartbeat_deadline_ms = 60000;  // the test's streams send no heartbeats
   Start();
   auto open_session = [&](grpc::ClientContext* ctx, const std::string& token) {
     auto stream = stub_->Session(ctx);
@@ -1080,7 +1081,7 @@ TEST_F(EngineTest, AStaleSessionClosingDoesNotDropTheNewAttachment) {
   const std::string new_token = Attach(0).attach_token();
   grpc::ClientContext new_ctx;
   auto new_stream = open_session(&new_ctx, new_token);
-  old_ctx.TryCancel();  // the old attachment's stream ends now
+  ASSERT_TRUE(old_stream->WritesDone());  // the old attachment's stream ends now
   // The old stream's handler polls every 100 ms; give it several periods to act.
   std::this_thread::sleep_for(std::chrono::milliseconds(600));
   grpc::ClientContext lctx;
@@ -1096,6 +1097,16 @@ TEST_F(EngineTest, AStaleSessionClosingDoesNotDropTheNewAttachment) {
   v1::BeginStepResponse br;
   grpc::Status s = stub_->BeginStep(&bctx, b, &br);
   EXPECT_TRUE(s.ok()) << s.error_message();
+  // The step's event goes to every open stream: the old one's write fails now, and its end must
+  // still leave the new attachment (and its running step) alone.
+  std::this_thread::sleep_for(std::chrono::milliseconds(600));
+  grpc::ClientContext lctx2;
+  ASSERT_TRUE(stub_->ListRanks(&lctx2, v1::ListRanksRequest(), &ranks).ok());
+  EXPECT_TRUE(ranks.ranks(0).attached()) << "the stale stream detached the new rank";
+  grpc::ClientContext sctx;
+  v1::GetStatusResponse st;
+  ASSERT_TRUE(stub_->GetStatus(&sctx, v1::GetStatusRequest(), &st).ok());
+  EXPECT_EQ(st.job().step_state(), "running");
   new_ctx.TryCancel();
 }
 
@@ -1148,6 +1159,31 @@ TEST_F(EngineTest, ExportBetweenTheRanksBeginStepDoesNotStallTheStep) {
   EXPECT_EQ(exported.version(), 1u);
   EXPECT_TRUE(begin(0, t0, 2).ok());
   EXPECT_TRUE(begin(1, t1, 2).ok());
+}
+
+// The same at the engine's API, where the timing is the test's: the stream handler of an
+// attachment that ended reports its end after the rank attached again. It ended the new
+// attachment (sessions were keyed by the rank number alone).
+TEST_F(EngineTest, ALateSessionCloseOfAnEndedAttachmentIsIgnored) {
+  Start();
+  const std::string old_token = Attach(0).attach_token();
+  v1::SessionOpen open;
+  open.set_attach_token(old_token);
+  ASSERT_TRUE(engine_->OpenSession(open).ok());
+  v1::DetachRankRequest d;
+  d.set_attach_token(old_token);
+  ASSERT_TRUE(engine_->DetachRank(d).ok());
+  const std::string new_token = Attach(0).attach_token();
+  open.set_attach_token(new_token);
+  ASSERT_TRUE(engine_->OpenSession(open).ok());
+  engine_->SessionClosed(0, old_token, "the old stream ended late");
+  EXPECT_TRUE(engine_->SessionActive(0, new_token));
+  auto ranks = engine_->ListRanks(v1::ListRanksRequest());
+  ASSERT_TRUE(ranks.ok());
+  EXPECT_TRUE(ranks->ranks(0).attached());
+  EXPECT_FALSE(engine_->SessionActive(0, old_token));
+  engine_->SessionClosed(0, new_token, "test over");
+  EXPECT_FALSE(engine_->ListRanks(v1::ListRanksRequest())->ranks(0).attached());
 }
 
 // Step t aborted by one rank's loss before another rank began it: that rank's BeginStep(t) is

@@ -5,7 +5,8 @@
 #   there:  scripts/gpu_suite.sh BUNDLE OUT [bench parts, default a,b,c,d; "none" skips]
 # Runs the bundle's environment check, every gpu-labelled test (kernels, GpuShardPass, the GPU
 # data plane against an in-process hostd, the C ABI through torch, the native GPU trainer against
-# the CPU reference, python_client against GPU-resident torch AdamW) and
+# the CPU reference, python_client against GPU-resident torch AdamW, three train_hf.py processes
+# in turn against one hostd) and
 # bench/gpu_plane/run_gpu_plane_bench.py; logs and JSON go to OUT.
 # Exit status: the number of failed steps.
 set -u
@@ -34,6 +35,7 @@ step gpu_trainer_test timeout 600 python3 tests/gpu_trainer_test.py "$B/hostd" \
   "$B/native_gpu_trainer" "$B/native_reference"
 step python_client_gpu_test timeout 900 python3 tests/python_client_test.py "$B/hostd" \
   "$BUNDLE/lib/libslidedp_rank.so" --device cuda
+step attach_cycles_gpu_test timeout 900 tests/attach_cycles_gpu_test.sh "$BUNDLE" "$OUT/attach_cycles"
 if [ "$PARTS" != none ]; then
   step gpu_plane_bench timeout 900 python3 bench/gpu_plane/run_gpu_plane_bench.py --bin "$B" \
     --out "$OUT/gpu_plane.json" --parts "$PARTS"
