@@ -18,23 +18,32 @@ import unittest
 
 import grpc
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from pbwire import pb, varint  # noqa: E402
+
 HOSTD = None
+
+
+def start_notified(model, tag, recv_timeout, *extra):
+    """hostd with a stand-in service manager: (process, its notify listener, its socket, log)."""
+    tmp = tempfile.mkdtemp(prefix="slidedp-notify-")
+    notify_path = os.path.join(tmp, "notify.sock")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    listener.bind(notify_path)
+    listener.settimeout(recv_timeout)
+    sock = os.path.join(tmp, "hostd.sock")
+    env = dict(os.environ, NOTIFY_SOCKET=notify_path, WATCHDOG_USEC="400000")
+    env.pop("WATCHDOG_PID", None)
+    log = open(os.path.join(tmp, "hostd.log"), "w+")
+    p = subprocess.Popen([HOSTD, "--model", model, "--socket", sock, "--instance",
+                          f"{tag}{os.getpid()}", "--mlock", "best_effort", "--update_threads",
+                          "1", *extra], env=env, stdout=log, stderr=subprocess.STDOUT)
+    return p, listener, sock, log
 
 
 class NotifyTest(unittest.TestCase):
     def test_ready_status_watchdog_stopping(self):
-        tmp = tempfile.mkdtemp(prefix="slidedp-notify-")
-        notify_path = os.path.join(tmp, "notify.sock")
-        listener = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        listener.bind(notify_path)
-        listener.settimeout(0.5)
-        sock = os.path.join(tmp, "hostd.sock")
-        env = dict(os.environ, NOTIFY_SOCKET=notify_path, WATCHDOG_USEC="400000")
-        env.pop("WATCHDOG_PID", None)
-        log = open(os.path.join(tmp, "hostd.log"), "w+")
-        p = subprocess.Popen([HOSTD, "--model", "tiny", "--socket", sock, "--instance",
-                              f"nt{os.getpid()}", "--mlock", "best_effort", "--update_threads",
-                              "1"], env=env, stdout=log, stderr=subprocess.STDOUT)
+        p, listener, sock, log = start_notified("tiny", "nt", 0.5)
         messages = []
 
         def drain(until, stop=None):
@@ -87,19 +96,8 @@ class NotifyTest(unittest.TestCase):
         lock, which CreateJob held all along, so no ping came and systemd restarted hostd. Now
         the pings go on, STATUS shows the creation's phase, and AttachRank is UNAVAILABLE until
         the job exists."""
-        tmp = tempfile.mkdtemp(prefix="slidedp-notify-")
-        notify_path = os.path.join(tmp, "notify.sock")
-        listener = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        listener.bind(notify_path)
-        listener.settimeout(0.1)
-        sock = os.path.join(tmp, "hostd.sock")
-        env = dict(os.environ, NOTIFY_SOCKET=notify_path, WATCHDOG_USEC="400000")
-        env.pop("WATCHDOG_PID", None)
-        log = open(os.path.join(tmp, "hostd.log"), "w+")
-        p = subprocess.Popen([HOSTD, "--model", "none", "--socket", sock, "--instance",
-                              f"nc{os.getpid()}", "--mlock", "best_effort", "--update_threads",
-                              "1", "--checkpoint.prepare_snapshot_pool", "false"],
-                             env=env, stdout=log, stderr=subprocess.STDOUT)
+        p, listener, sock, log = start_notified("none", "nc", 0.1,
+                                                "--checkpoint.prepare_snapshot_pool", "false")
         messages = []
         try:
             deadline = time.time() + 60
@@ -231,30 +229,6 @@ class NotifyTest(unittest.TestCase):
         r = subprocess.run(cmd, capture_output=True, text=True)
         self.assertNotEqual(r.returncode, 0)
         self.assertIn("no_such_key", r.stdout + r.stderr)
-
-
-def varint(v):
-    v &= (1 << 64) - 1
-    out = b""
-    while True:
-        b = v & 0x7F
-        v >>= 7
-        if v:
-            out += bytes([b | 0x80])
-        else:
-            return out + bytes([b])
-
-
-def pb(*fields):
-    """A protobuf message by hand: (number, value), int -> varint, bytes/str -> bytes."""
-    out = b""
-    for num, val in fields:
-        if isinstance(val, int):
-            out += varint(num << 3) + varint(val)
-        else:
-            raw = val.encode() if isinstance(val, str) else val
-            out += varint(num << 3 | 2) + varint(len(raw)) + raw
-    return out
 
 
 if __name__ == "__main__":
