@@ -1239,17 +1239,6 @@ TEST_F(EngineTest, SecondDaemonOnSameSocketOrInstanceIsRefused) {
 constexpr shm::SegmentKind kSegmentKinds[] = {shm::SegmentKind::kControl, shm::SegmentKind::kState,
                                               shm::SegmentKind::kParams, shm::SegmentKind::kGrads};
 
-// A group this process may give its files other than its own when it can: as root any (nobody's,
-// 65534), else a supplementary group; else its own group (the gid checks are trivial then).
-gid_t OtherGroup() {
-  if (geteuid() == 0) return 65534;
-  gid_t groups[256];
-  const int n = getgroups(256, groups);
-  for (int i = 0; i < n; ++i) {
-    if (groups[i] != getegid()) return groups[i];
-  }
-  return getegid();
-}
 
 // Removes whatever a test left under the instance's names, whoever owns it (on any exit).
 struct ShmJanitor {
@@ -1311,7 +1300,7 @@ TEST_F(EngineTest, ForeignLeftoverSegmentsRefuseStartForEveryRecoveryPolicy) {
 // hostd's alone, 0600 in hostd's own group.
 TEST_F(EngineTest, ShmGroupReachesRankSegmentsLockAndSocketStateStays0600) {
   ShmJanitor janitor{config_.instance};
-  const gid_t group = OtherGroup();
+  const gid_t group = testing::OtherGroup();
   struct group gr;
   struct group* found = nullptr;
   char buf[4096];

@@ -64,17 +64,6 @@ struct ShmJanitor {
   }
 };
 
-// A group this process may give its files other than its own when it can: as root any (nobody's,
-// 65534), else a supplementary group; else its own group (the gid checks are trivial then).
-gid_t OtherGroup() {
-  if (geteuid() == 0) return 65534;
-  gid_t groups[256];
-  const int n = getgroups(256, groups);
-  for (int i = 0; i < n; ++i) {
-    if (groups[i] != getegid()) return groups[i];
-  }
-  return getegid();
-}
 
 std::string ReadFile(const std::string& path) {
   std::ifstream in(path);
@@ -342,7 +331,7 @@ TEST(InstanceLockTest, LinkedWideOrForeignLockFileIsRefused) {
   // shm_mode 0660 with a group: the lock file gets both.
   InstanceLock::Options options;
   options.mode = 0660;
-  options.group = OtherGroup();
+  options.group = testing::OtherGroup();
   auto ours = InstanceLock::Acquire(inst, options);
   ASSERT_TRUE(ours.ok()) << ours.status();
   struct stat st;

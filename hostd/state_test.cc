@@ -164,17 +164,6 @@ struct ShmJanitor {
   }
 };
 
-// A group this process may give its files other than its own when it can: as root any (nobody's,
-// 65534), else a supplementary group; else its own group (the gid checks are trivial then).
-gid_t OtherGroup() {
-  if (geteuid() == 0) return 65534;
-  gid_t groups[256];
-  const int n = getgroups(256, groups);
-  for (int i = 0; i < n; ++i) {
-    if (groups[i] != getegid()) return groups[i];
-  }
-  return getegid();
-}
 
 // shm_mode 0660 with a group reaches the segments ranks map; the state segment (master, m, v) is
 // hostd's alone: 0600, hostd's own group.
@@ -186,7 +175,7 @@ TEST(StateTest, StateSegmentIs0600AndTheOthersGetModeAndGroup) {
   o.model = SmallModel();
   o.mlock = MlockPolicy::kBestEffort;
   o.mode = 0660;
-  o.group = OtherGroup();
+  o.group = testing::OtherGroup();
   auto s = TrainingState::Create(o, nullptr);
   ASSERT_TRUE(s.ok()) << s.status();
   (*s)->set_remove_on_destroy(true);

@@ -17,6 +17,18 @@ inline std::string UniqueInstance(const std::string& tag) {
   return absl::StrCat("t", getpid(), "-", tag, "-", counter.fetch_add(1));
 }
 
+// A group this process may give its files other than its own when it can: as root any (nobody's,
+// 65534), else a supplementary group; else its own group (the gid checks are trivial then).
+inline gid_t OtherGroup() {
+  if (geteuid() == 0) return 65534;
+  gid_t groups[256];
+  const int n = getgroups(256, groups);
+  for (int i = 0; i < n; ++i) {
+    if (groups[i] != getegid()) return groups[i];
+  }
+  return getegid();
+}
+
 // A two-layer model: layer 0 holds a norm weight (no decay) and a 2-D weight; layer 1 one
 // weight. Sizes hit kernel tails and span several stats blocks.
 inline LoadedModel SmallModel() {
