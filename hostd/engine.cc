@@ -694,6 +694,10 @@ absl::StatusOr<slidedp::v1::HandshakeResponse> Engine::Handshake(
 
 absl::Status Engine::ClaimCreation(const std::string& job_id) {
   absl::MutexLock lock(&mu_);
+  return ClaimCreationLocked(job_id);
+}
+
+absl::Status Engine::ClaimCreationLocked(const std::string& job_id) {
   RETURN_IF_ERROR(CheckServing());
   if (job_ || creating_) {
     return absl::AlreadyExistsError(absl::StrCat("a job ", job_ ? "exists" : "is being created",
@@ -1006,6 +1010,10 @@ absl::StatusOr<slidedp::v1::CreateJobResponse> Engine::CreateJob(
                        ManifestHashHex(state_->manifest_hash()),
                        "); this hostd serves one job; requested manifest ", ManifestHashHex(want)));
     }
+    // Claimed in the same critical section as the checks: a concurrent CreateJob waits above.
+    std::string job_id = r.spec().job_id();
+    if (job_id.empty() && resume) job_id = resume->job_id;
+    RETURN_IF_ERROR(ClaimCreationLocked(job_id));
   }
   LoadedModel model;
   model.manifest = manifest;
@@ -1022,7 +1030,6 @@ absl::StatusOr<slidedp::v1::CreateJobResponse> Engine::CreateJob(
     if (spec.seed() == 0) spec.set_seed(resume->spec.seed());
   }
   spec.clear_manifest();
-  RETURN_IF_ERROR(ClaimCreation(spec.job_id()));
   RETURN_IF_ERROR(CreateJobUnlocked(std::move(spec), std::move(model), /*model_dir=*/"",
                                     resume ? &*resume : nullptr));
   absl::MutexLock lock(&mu_);

@@ -205,6 +205,7 @@ class Engine {
   // ALREADY_EXISTS when a job exists or another is being created. The caller then calls
   // CreateJobUnlocked, which ends the creation whatever its outcome.
   absl::Status ClaimCreation(const std::string& job_id) ABSL_LOCKS_EXCLUDED(mu_);
+  absl::Status ClaimCreationLocked(const std::string& job_id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Creates the claimed job: validates the spec, recovers or creates the state, imports or
   // restores its weights (all without mu_), then installs it under mu_.
   // `model_dir`: the model's directory, where init "auto" looks for safetensors weights; empty
