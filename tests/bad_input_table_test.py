@@ -961,6 +961,10 @@ class BadInputTableTest(unittest.TestCase):
         spec = decode(decode(resp)[1][0])
         mhash = decode(spec[2][0])[5][0].decode()
         self.assertNotEqual(mhash, "0000000000000000")
+        self.job("the job's own manifest again (idempotent) with spec.optimizer.lr nan",
+                 create_job(mani, job_id="cj", world_size=2, opt=optimizer(lr=NAN)),
+                 "INVALID_ARGUMENT", "spec.optimizer.lr: must be a finite number >= 0, got nan",
+                 config=["--lr", "nan"])
         ch = self.channel_none
         tok0 = self.attach(0, ch, self.attach_req(0, job_id="cj", mhash=mhash) + pb((7, 0)))
         U, R = "UploadClientLayer", "ReadClientLayer"
