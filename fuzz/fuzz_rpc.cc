@@ -5,29 +5,51 @@
 // ToGrpcStatus(engine_->Method(*req)). This target does the same with the bytes gRPC would hand
 // them: ParseFromArray into the request message, the Engine method, ToGrpcStatus.
 //
-// Each input gets a fresh Engine (model "none", world size 2) and is a sequence of records:
+// Each input gets a fresh Engine (model "none", world size 2, hostd's configured chunk_bytes
+// 4096) and is a sequence of records:
 //   [method (1 byte)] [flags (1 byte)] [length (1 byte)] [length bytes of serialized request]
 // method picks one of the 17 unary RPCs or a session call (OpenSession, heartbeat, SessionClosed,
 // NextSessionEvent). Unless the input begins with a CreateJob record the job is created first
 // from a built-in two-layer manifest. flags patch fields the fuzzer cannot guess: bit 0 the
 // job's manifest_hash, bit 1 the attach_token issued to the request's rank (every rank RPC), bit 2
-// the step to the job's next step, bit 3 rank % world size. FetchCommId's wait is capped at 2 ms,
-// and a CreateJob of more than 2^20 parameters is not sent (it would only cost memory and time).
+// the step to the job's next step, bit 3 rank % world size. For CreateJob and UpdateHyperParams,
+// bit 4 says the request begins with ((flags >> 5) + 1) patches of two bytes [target, value]
+// that set a size or a setting to an extreme value (kU64s, kDoubles: 0, 4095, 2^30 + 4096,
+// 2^62, 2^64-1, NaN, -0.0, 1e308, ...): chunk_bytes, world_size, a dimension of the manifest
+// (a CreateJob without a manifest gets the built-in one), a layer more, each OptimizerConfig
+// field (UpdateHyperParams names it in `fields`). FetchCommId's wait is capped at 2 ms.
+//
+// Memory: a CreateJob is sent unless hostd would accept it (the harness runs the same
+// validation) and its true shared-memory footprint (computed here in 128 bits: FP32 master,
+// m, v and the BF16 copy per layer, page-aligned; the gradient rings world_size x 4 slots x
+// chunk_bytes; the control segment) lies between 256 MiB and 2^44 bytes: it would only cost
+// time. One beyond 2^44, which no machine can allocate, is sent and must be refused with
+// INVALID_ARGUMENT or RESOURCE_EXHAUSTED.
+//
 // Oracles besides the sanitizers: no INTERNAL or UNKNOWN status, every error has a message, the
 // gRPC status carries the Engine's code and message, GetStatus works after every call, and a
-// failed call leaves the state's checksum unchanged.
+// failed call leaves the state's checksum unchanged. A CreateJob that creates the job returns a
+// spec within the bounds (CheckJobId, CheckWorldSize, CheckRoutes, CheckOptimizer) and every
+// segment has the size computed here; after an UpdateHyperParams that succeeds, the worker's
+// optimizer is the one returned, within the bounds, and holds each value the request named.
 #include <grpcpp/grpcpp.h>
 #include <sched.h>
 
+#include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
+#include <limits>
 #include <map>
 #include <memory>
 #include <set>
 #include <string>
 
+#include "absl/strings/str_cat.h"
 #include "hostd/engine.h"
+#include "hostd/job_spec.h"
+#include "hostd/manifest.h"
 #include "hostd/service.h"
 #include "hostd/test_util.h"
 #include "hostd/topology.h"
@@ -47,7 +69,227 @@ namespace v1 = slidedp::v1;
   } while (0)
 
 constexpr uint32_t kWorld = 2;
-constexpr uint64_t kMaxFuzzParams = 1u << 20;
+// hostd's configured chunk_bytes: what a request that leaves routes.chunk_bytes 0 gets.
+constexpr uint64_t kDefaultChunkBytes = 4096;
+// engine.cc's kGradRingSlots.
+constexpr uint32_t kGradRingSlots = 4;
+// A CreateJob hostd would accept with a footprint in [kSkipFrom, kSkipTo) is not sent.
+constexpr uint64_t kSkipFrom = uint64_t{256} << 20;
+constexpr uint64_t kSkipTo = uint64_t{1} << 44;
+
+constexpr uint64_t kU64s[] = {0,
+                              1,
+                              2,
+                              3,
+                              63,
+                              64,
+                              65,
+                              4095,
+                              4096,
+                              4097,
+                              8192,
+                              uint64_t{1} << 20,
+                              (uint64_t{1} << 30) - 4096,
+                              uint64_t{1} << 30,
+                              (uint64_t{1} << 30) + 4096,
+                              uint64_t{1} << 31,
+                              (uint64_t{1} << 32) - 1,
+                              uint64_t{1} << 32,
+                              uint64_t{1} << 40,
+                              uint64_t{1} << 44,
+                              uint64_t{1} << 56,
+                              (uint64_t{1} << 56) + 1,
+                              uint64_t{1} << 62,
+                              uint64_t{1} << 63,
+                              std::numeric_limits<uint64_t>::max()};
+constexpr double kDoubles[] = {0.0,
+                               -0.0,
+                               1.0,
+                               -1.0,
+                               0.5,
+                               0.9,
+                               0.999,
+                               0.99999999999999989,  // the largest double below 1
+                               1e-8,
+                               1e-308,
+                               4.9406564584124654e-324,  // the smallest denormal
+                               1e308,
+                               std::numeric_limits<double>::max(),
+                               std::numeric_limits<double>::infinity(),
+                               -std::numeric_limits<double>::infinity(),
+                               std::numeric_limits<double>::quiet_NaN(),
+                               -std::numeric_limits<double>::quiet_NaN(),
+                               2.0,
+                               1e-3};
+
+uint64_t U64(uint8_t v) { return kU64s[v % std::size(kU64s)]; }
+double Double(uint8_t v) { return kDoubles[v % std::size(kDoubles)]; }
+
+// Sets OptimizerConfig field `target` (0..10) to the extreme value `v`; returns its name.
+const char* PatchOptimizer(v1::OptimizerConfig& o, uint8_t target, uint8_t v) {
+  switch (target % 11) {
+    case 0:
+      o.set_lr(Double(v));
+      return "lr";
+    case 1:
+      o.set_beta1(Double(v));
+      return "beta1";
+    case 2:
+      o.set_beta2(Double(v));
+      return "beta2";
+    case 3:
+      o.set_eps(Double(v));
+      return "eps";
+    case 4:
+      o.set_weight_decay(Double(v));
+      return "weight_decay";
+    case 5:
+      o.set_min_lr_ratio(Double(v));
+      return "min_lr_ratio";
+    case 6:
+      o.set_max_grad_norm(Double(v));
+      return "max_grad_norm";
+    case 7:
+      o.set_warmup_steps(U64(v));
+      return "warmup_steps";
+    case 8:
+      o.set_total_steps(U64(v));
+      return "total_steps";
+    case 9:
+      o.set_schedule(static_cast<v1::LrScheduleKind>(static_cast<int32_t>(U64(v))));
+      return "schedule";
+    default:
+      o.set_clip(static_cast<v1::ClipPolicy>(static_cast<int32_t>(U64(v))));
+      return "clip";
+  }
+}
+
+// A dimension of the manifest (the first tensor's first, the last tensor's last), a copy of layer
+// 0 with an extreme first dimension, or a field of the spec.
+void PatchSpec(v1::JobSpec& spec, uint8_t target, uint8_t v) {
+  v1::ModelManifest& m = *spec.mutable_manifest();
+  const auto dim = static_cast<int64_t>(U64(v));
+  switch (target % 20) {
+    case 0:
+      spec.mutable_routes()->set_chunk_bytes(U64(v));
+      break;
+    case 1:
+      spec.set_world_size(static_cast<uint32_t>(U64(v)));
+      break;
+    case 2:
+    case 3: {
+      if (m.layers_size() == 0 || m.layers(0).tensors_size() == 0) break;
+      v1::TensorSpec* t =
+          target % 20 == 2
+              ? m.mutable_layers(0)->mutable_tensors(0)
+              : m.mutable_layers(m.layers_size() - 1)
+                    ->mutable_tensors(m.layers(m.layers_size() - 1).tensors_size() - 1);
+      if (t->shape_size() == 0) t->add_shape(1);
+      t->set_shape(target % 20 == 2 ? 0 : t->shape_size() - 1, dim);
+      break;
+    }
+    case 4: {
+      if (m.layers_size() == 0) break;
+      v1::LayerSpec copy = m.layers(0);
+      copy.set_name(absl::StrCat(copy.name(), ".copy", m.layers_size()));
+      for (v1::TensorSpec& t : *copy.mutable_tensors()) {
+        t.set_name(absl::StrCat(t.name(), ".copy", m.layers_size()));
+      }
+      if (copy.tensors_size() > 0 && copy.tensors(0).shape_size() > 0) {
+        copy.mutable_tensors(0)->set_shape(0, dim);
+      }
+      *m.add_layers() = std::move(copy);
+      break;
+    }
+    case 16:
+      spec.mutable_optimizer()->set_grad_dtype(
+          static_cast<v1::DType>(static_cast<int32_t>(U64(v))));
+      break;
+    case 17:
+      spec.mutable_routes()->set_param_route(
+          static_cast<v1::ParamRoute>(static_cast<int32_t>(U64(v))));
+      break;
+    case 18:
+      spec.mutable_routes()->set_grad_route(
+          static_cast<v1::GradRoute>(static_cast<int32_t>(U64(v))));
+      break;
+    case 19:
+      spec.set_seed(U64(v));
+      break;
+    default:  // 5..15: the optimizer
+      PatchOptimizer(*spec.mutable_optimizer(), static_cast<uint8_t>(target % 20 - 5), v);
+      break;
+  }
+}
+
+// Whether setting `field` of `asked` is the one `now` holds (the proto's names for schedule and
+// clip 0 are constant and none). The last request naming a field sets it.
+bool Applied(const std::string& field, const v1::OptimizerConfig& asked,
+             const v1::OptimizerConfig& now) {
+  auto same = [](double a, double b) { return std::memcmp(&a, &b, sizeof(a)) == 0; };
+  if (field == "lr") return same(asked.lr(), now.lr());
+  if (field == "beta1") return same(asked.beta1(), now.beta1());
+  if (field == "beta2") return same(asked.beta2(), now.beta2());
+  if (field == "eps") return same(asked.eps(), now.eps());
+  if (field == "weight_decay") return same(asked.weight_decay(), now.weight_decay());
+  if (field == "min_lr_ratio") return same(asked.min_lr_ratio(), now.min_lr_ratio());
+  if (field == "max_grad_norm") return same(asked.max_grad_norm(), now.max_grad_norm());
+  if (field == "warmup_steps") return asked.warmup_steps() == now.warmup_steps();
+  if (field == "total_steps") return asked.total_steps() == now.total_steps();
+  if (field == "schedule") {
+    return now.schedule() == (asked.schedule() == v1::LR_SCHEDULE_UNSPECIFIED
+                                  ? v1::LR_SCHEDULE_CONSTANT
+                                  : asked.schedule());
+  }
+  if (field == "clip") {
+    return now.clip() ==
+           (asked.clip() == v1::CLIP_POLICY_UNSPECIFIED ? v1::CLIP_POLICY_NONE : asked.clip());
+  }
+  return false;  // not a settable field: the call must have failed
+}
+
+using u128 = unsigned __int128;
+constexpr u128 kPage = shm::kPayloadAlign;
+u128 AlignUp(u128 v) { return (v + kPage - 1) / kPage * kPage; }
+
+// The segments a job of this (normalized) spec and manifest maps, sized as TrainingState lays
+// them out, in 128 bits: whatever the request says, nothing here wraps (a product of dimensions
+// saturates at 2^100, past any machine).
+struct Footprint {
+  u128 control = 0, state = 0, params = 0, grads = 0;
+  u128 total() const { return control + state + params + grads; }
+};
+
+Footprint FootprintOf(const v1::ModelManifest& m, uint32_t world_size, uint64_t chunk_bytes) {
+  constexpr u128 kSaturated = u128{1} << 100;
+  Footprint f;
+  f.state = shm::kHeaderBytes;
+  f.params = shm::kHeaderBytes;
+  for (const v1::LayerSpec& l : m.layers()) {
+    u128 numel = 0;
+    for (const v1::TensorSpec& t : l.tensors()) {
+      u128 n = 1;
+      for (int64_t d : t.shape()) {
+        n = d <= 0 ? 0 : std::min(kSaturated, n * static_cast<u128>(d));
+      }
+      numel = std::min(kSaturated, numel + n);
+    }
+    f.state += 3 * AlignUp(numel * 4);
+    f.params += AlignUp(numel * 2);
+  }
+  f.state = AlignUp(f.state);
+  f.params = AlignUp(f.params);
+  f.grads = AlignUp(shm::kHeaderBytes + u128{world_size} * kGradRingSlots * chunk_bytes);
+  f.control = AlignUp(
+      shm::ControlSegmentBytes(static_cast<uint32_t>(m.layers_size()), world_size, kGradRingSlots));
+  return f;
+}
+
+// The bytes of patches (flags bit 4) at the front of a record's payload.
+size_t PatchCount(uint8_t flags, size_t n) {
+  if (!(flags & 16)) return 0;
+  return std::min<size_t>(2 * ((flags >> 5) + 1), n);
+}
 
 // One NUMA node holding the first CPU this process may run on: no hwloc discovery (its plugins
 // are dlopen'ed and closed, so LeakSanitizer could not attribute what they keep).
@@ -70,6 +312,12 @@ const Topology& FixedTopology() {
     return t;
   }();
   return topo;
+}
+
+// FUZZ_VERBOSE=1 keeps hostd's log and prints each record's answer (reproducing an input).
+bool Verbose() {
+  static const bool verbose = getenv("FUZZ_VERBOSE") != nullptr;
+  return verbose;
 }
 
 void CheckStatus(const absl::Status& s, const char* method) {
@@ -102,7 +350,7 @@ class Harness {
     c.isa = "scalar";
     c.heartbeat_interval_ms = 100;
     c.heartbeat_deadline_ms = 60000;
-    c.routes.set_chunk_bytes(4096);
+    c.routes.set_chunk_bytes(kDefaultChunkBytes);
     engine_ = Engine::Create(c, {}, FixedTopology()).value();
   }
   ~Harness() { engine_->Shutdown(/*remove_state=*/true).IgnoreError(); }
@@ -111,7 +359,7 @@ class Harness {
     v1::CreateJobRequest req;
     *req.mutable_spec()->mutable_manifest() = testing::SmallModel().manifest;
     req.mutable_spec()->set_world_size(kWorld);
-    req.mutable_spec()->mutable_routes()->set_chunk_bytes(4096);
+    req.mutable_spec()->mutable_routes()->set_chunk_bytes(kDefaultChunkBytes);
     FUZZ_CHECK(engine_->CreateJob(req).ok());
   }
 
@@ -124,32 +372,12 @@ class Harness {
         s = Call<v1::HandshakeRequest>(p, n, flags, "Handshake", &name,
                                        [&](auto& r) { return engine_->Handshake(r); });
         break;
-      case 1:
-        s = Call<v1::CreateJobRequest>(p, n, flags, "CreateJob", &name, [&](auto& r) {
-          uint64_t total = 0;
-          for (const auto& l : r.spec().manifest().layers()) {
-            for (const auto& t : l.tensors()) {
-              uint64_t numel = 1;
-              for (int64_t d : t.shape()) {
-                if (d <= 0 || d > static_cast<int64_t>(kMaxFuzzParams)) {
-                  numel = 0;
-                  break;
-                }
-                numel *= static_cast<uint64_t>(d);
-                if (numel > kMaxFuzzParams) break;
-              }
-              total += numel;
-              if (total > kMaxFuzzParams) break;
-            }
-            if (total > kMaxFuzzParams) break;
-          }
-          if (total > kMaxFuzzParams) {
-            return absl::StatusOr<v1::CreateJobResponse>(v1::CreateJobResponse());
-          }
-          r.mutable_spec()->mutable_routes()->set_chunk_bytes(4096);
-          return engine_->CreateJob(r);
-        });
+      case 1: {
+        const size_t np = PatchCount(flags, n);
+        s = Call<v1::CreateJobRequest>(p + np, n - np, flags, "CreateJob", &name,
+                                       [&](auto& r) { return CreateJob(r, p, np); });
         break;
+      }
       case 2:
         s = Call<v1::AttachRankRequest>(p, n, flags, "AttachRank", &name, [&](auto& r) {
           if (flags & 1) r.set_manifest_hash(Hash());
@@ -212,11 +440,17 @@ class Harness {
           return absl::OkStatus();
         });
         break;
-      case 13:
+      case 13: {
+        const size_t np = PatchCount(flags, n);
         s = Call<v1::UpdateHyperParamsRequest>(
-            p, n, flags, "UpdateHyperParams", &name,
-            [&](auto& r) { return engine_->UpdateHyperParams(r); });
+            p + np, n - np, flags, "UpdateHyperParams", &name, [&](auto& r) {
+              for (size_t i = 0; i + 1 < np; i += 2) {
+                *r.add_fields() = PatchOptimizer(*r.mutable_optimizer(), p[i], p[i + 1]);
+              }
+              return UpdateHyperParams(r);
+            });
         break;
+      }
       case 14:
         s = Call<v1::SessionOpen>(p, n, flags, "OpenSession", &name, [&](auto& r) {
           if (flags & 2) r.set_attach_token(tokens_[r.rank()]);
@@ -264,6 +498,7 @@ class Harness {
         }
         break;
     }
+    if (Verbose()) fprintf(stderr, "fuzz_rpc: %s: %s\n", name, s.ToString().c_str());
     CheckStatus(s, name);
     absl::StatusOr<v1::GetStatusResponse> st = engine_->GetStatus();
     FUZZ_CHECK(st.ok());
@@ -274,6 +509,95 @@ class Harness {
   }
 
  private:
+  absl::StatusOr<v1::CreateJobResponse> CreateJob(v1::CreateJobRequest& r, const uint8_t* patches,
+                                                  size_t np) {
+    if (np > 0 && r.spec().manifest().layers_size() == 0 && r.resume_path().empty()) {
+      *r.mutable_spec()->mutable_manifest() = testing::SmallModel().manifest;
+    }
+    for (size_t i = 0; i + 1 < np; i += 2) PatchSpec(*r.mutable_spec(), patches[i], patches[i + 1]);
+    const bool had_job = engine_->state() != nullptr;
+    // What hostd allocates for it, were it accepted (with the defaults CreateJob fills).
+    const uint32_t world = r.spec().world_size() == 0 ? 1 : r.spec().world_size();
+    const uint64_t chunk =
+        r.spec().routes().chunk_bytes() == 0 ? kDefaultChunkBytes : r.spec().routes().chunk_bytes();
+    const Footprint f = FootprintOf(r.spec().manifest(), world, chunk);
+    if (!had_job && r.resume_path().empty() && f.total() >= kSkipFrom && f.total() < kSkipTo) {
+      v1::Routes defaults;
+      defaults.set_chunk_bytes(kDefaultChunkBytes);
+      if (ValidateManifest(r.spec().manifest()).ok() && NormalizeJobSpec(r.spec(), defaults).ok()) {
+        if (Verbose())
+          fprintf(stderr, "fuzz_rpc: CreateJob of %.3g bytes not sent\n",
+                  static_cast<double>(f.total()));
+        return v1::CreateJobResponse();  // would be accepted: costs memory and time only
+      }
+    }
+    absl::StatusOr<v1::CreateJobResponse> resp = engine_->CreateJob(r);
+    if (had_job) return resp;
+    if (f.total() >= kSkipTo && r.resume_path().empty()) {
+      // No machine holds it: refused as bad input or as too large, never attempted.
+      if (resp.ok() || (resp.status().code() != absl::StatusCode::kInvalidArgument &&
+                        resp.status().code() != absl::StatusCode::kResourceExhausted)) {
+        fprintf(stderr, "fuzz_rpc: a CreateJob of %.3g bytes answered %s\n",
+                static_cast<double>(f.total()),
+                resp.ok() ? "OK" : resp.status().ToString().c_str());
+        abort();
+      }
+    }
+    if (resp.ok()) CheckCreatedJob(*resp);
+    return resp;
+  }
+
+  // The job CreateJob made: its effective spec within the bounds, its segments the sizes its
+  // spec and manifest call for.
+  void CheckCreatedJob(const v1::CreateJobResponse& resp) {
+    const v1::JobSpec& spec = resp.spec();
+    FUZZ_CHECK(!CheckJobId(spec.job_id()));
+    FUZZ_CHECK(!CheckWorldSize(spec.world_size()));
+    FUZZ_CHECK(!CheckRoutes(spec.routes()));
+    FUZZ_CHECK(!CheckOptimizer(spec.optimizer()));
+    FUZZ_CHECK(ValidateManifest(spec.manifest()).ok());
+    const Footprint f =
+        FootprintOf(spec.manifest(), spec.world_size(), spec.routes().chunk_bytes());
+    FUZZ_CHECK(f.total() < kSkipFrom);
+    absl::StatusOr<v1::GetStatusResponse> st = engine_->GetStatus();
+    FUZZ_CHECK(st.ok());
+    int seen = 0;
+    for (const v1::SegmentInfo& seg : st->segments()) {
+      const u128 want = seg.kind() == v1::SEGMENT_KIND_CONTROL  ? f.control
+                        : seg.kind() == v1::SEGMENT_KIND_STATE  ? f.state
+                        : seg.kind() == v1::SEGMENT_KIND_PARAMS ? f.params
+                                                                : f.grads;
+      if (u128{seg.size_bytes()} != want) {
+        fprintf(stderr, "fuzz_rpc: segment %s is %llu bytes, the spec calls for %llu\n",
+                seg.name().c_str(), static_cast<unsigned long long>(seg.size_bytes()),
+                static_cast<unsigned long long>(want));
+        abort();
+      }
+      ++seen;
+    }
+    FUZZ_CHECK(seen == 4);
+    FUZZ_CHECK(u128{st->shm_bytes()} == f.total());
+  }
+
+  absl::StatusOr<v1::UpdateHyperParamsResponse> UpdateHyperParams(
+      const v1::UpdateHyperParamsRequest& r) {
+    absl::StatusOr<v1::UpdateHyperParamsResponse> resp = engine_->UpdateHyperParams(r);
+    if (resp.ok()) {
+      const v1::OptimizerConfig now = engine_->worker()->optimizer();
+      FUZZ_CHECK(!CheckOptimizer(now));
+      FUZZ_CHECK(now.SerializeAsString() == resp->optimizer().SerializeAsString());
+      // What was asked is what was applied: a named field is a value, not "unset".
+      for (const std::string& f : r.fields()) {
+        if (!Applied(f, r.optimizer(), now)) {
+          fprintf(stderr, "fuzz_rpc: UpdateHyperParams answered OK but %s is not the value asked\n",
+                  f.c_str());
+          abort();
+        }
+      }
+    }
+    return resp;
+  }
+
   std::string Hash() {
     auto st = engine_->GetStatus();
     return st.ok() ? st->job().manifest_hash() : std::string();
@@ -308,8 +632,7 @@ class Harness {
 }  // namespace slidedp::hostd
 
 extern "C" int LLVMFuzzerInitialize(int*, char***) {
-  // FUZZ_VERBOSE=1 keeps hostd's log (the reasons of protocol errors) when reproducing.
-  if (getenv("FUZZ_VERBOSE") == nullptr) spdlog::set_level(spdlog::level::off);
+  if (!slidedp::hostd::Verbose()) spdlog::set_level(spdlog::level::off);
   slidedp::hostd::FixedTopology();
   return 0;
 }

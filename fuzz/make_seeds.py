@@ -125,10 +125,10 @@ abort = r(5, 0, field(2, 0, 1) + field(3, 2, b"fuzz"))
 hp = r(13, 0, field(2, 2, field(1, 1, 2e-4) + field(12, 1, 0.5)) + field(3, 2, b"lr") +
        field(3, 2, b"max_grad_norm"))
 status = r(8, 0) + r(9, 0, field(2, 0, 1)) + r(10, 0) + r(11, 0) + r(12, 0)
-handshake = r(0, 0, field(1, 2, field(1, 2, b"0.1.0") + field(3, 0, 1) + field(4, 0, 2) +
+handshake = r(0, 0, field(1, 2, field(1, 2, b"0.1.0") + field(3, 0, 2) + field(4, 0, 2) +
                                  field(6, 2, b"rankclient")))
-comm = r(6, 0, field(2, 0, 0) + field(3, 2, bytes(128)) + field(4, 0, 1)) + \
-    r(7, 0, field(2, 0, 1) + field(3, 0, 1) + field(4, 0, 1))
+comm = r(6, TOKEN, field(2, 0, 0) + field(3, 2, bytes(128)) + field(4, 0, 1)) + \
+    r(7, TOKEN, field(2, 0, 1) + field(3, 0, 1) + field(4, 0, 1))
 detach = r(3, TOKEN, field(2, 0, 1))
 put("fuzz_rpc", "attach_begin_abort", handshake + attach0 + attach1 + open0 + open1 + begin0 +
     begin1 + status + abort + r(17, 0) + r(16, 1) + status)
@@ -139,4 +139,67 @@ manifest = field(1, 2, b"fz") + field(2, 2, b"test") + field(
                                                     field(3, 0, 2)))
 create = r(1, 0, field(1, 2, field(1, 2, b"job") + field(2, 2, manifest) + field(5, 0, 1)))
 put("fuzz_rpc", "create_job", create + r(2, HASH, field(1, 2, b"job")) + status)
+
+# Patches (flags bit 4, (flags >> 5) + 1 pairs [target, value] before the message): extreme
+# sizes and settings by index into fuzz_rpc.cc's kU64s / kDoubles. CreateJob targets: 0
+# chunk_bytes, 1 world_size, 2 first dimension, 3 last dimension, 4 a copy of layer 0, 5..15 the
+# optimizer (lr, beta1, beta2, eps, weight_decay, min_lr_ratio, max_grad_norm, warmup_steps,
+# total_steps, schedule, clip), 16 grad_dtype, 17 param_route, 18 grad_route, 19 seed.
+# UpdateHyperParams targets: 0..10, the same optimizer fields.
+U64 = {v: i for i, v in enumerate([
+    0, 1, 2, 3, 63, 64, 65, 4095, 4096, 4097, 8192, 1 << 20, (1 << 30) - 4096, 1 << 30,
+    (1 << 30) + 4096, 1 << 31, (1 << 32) - 1, 1 << 32, 1 << 40, 1 << 44, 1 << 56, (1 << 56) + 1,
+    1 << 62, 1 << 63, (1 << 64) - 1])}
+DBL = {"0": 0, "-0": 1, "1": 2, "-1": 3, "0.5": 4, "0.9": 5, "0.999": 6, "1-": 7, "1e-8": 8,
+       "1e-308": 9, "denormal": 10, "1e308": 11, "max": 12, "inf": 13, "-inf": 14, "nan": 15,
+       "-nan": 16, "2": 17, "1e-3": 18}
+
+
+def patched(method, patches, msg=b""):
+    assert 1 <= len(patches) <= 8
+    flags = 16 | (len(patches) - 1) << 5
+    return r(method, flags, b"".join(bytes(p) for p in patches) + msg)
+
+
+def cj(*patches):
+    return patched(1, list(patches))
+
+
+for name, patches in [
+        ("chunk_2_62", [(0, U64[1 << 62])]),
+        ("chunk_2_64_minus_1", [(0, U64[(1 << 64) - 1])]),
+        ("chunk_1g_plus_page", [(0, U64[(1 << 30) + 4096])]),
+        ("chunk_4095", [(0, U64[4095])]),
+        ("chunk_1g_world_64", [(0, U64[1 << 30]), (1, U64[64])]),
+        ("chunk_1m_world_64", [(0, U64[1 << 20]), (1, U64[64])]),
+        ("world_65", [(1, U64[65])]),
+        ("world_2_32_minus_1", [(1, U64[(1 << 32) - 1])]),
+        ("dim_2_44", [(2, U64[1 << 44])]),
+        ("dim_2_56_twice", [(2, U64[1 << 56]), (4, U64[1 << 56])]),
+        ("dim_2_32_squared", [(2, U64[1 << 32]), (3, U64[1 << 32])]),
+        ("dim_2_64_minus_1", [(3, U64[(1 << 64) - 1])]),
+        ("dim_4096_layers", [(4, U64[4096]), (4, U64[4096]), (4, U64[4097])]),
+        ("optimizer_nan_lr", [(5, DBL["nan"])]),
+        ("optimizer_beta1_one", [(6, DBL["1"])]),
+        ("optimizer_beta2_below_one", [(7, DBL["1-"])]),
+        ("optimizer_eps_denormal_wd_1e308", [(8, DBL["denormal"]), (9, DBL["1e308"])]),
+        ("optimizer_min_lr_negative_zero", [(10, DBL["-0"])]),
+        ("optimizer_clip_global_norm_zero", [(15, U64[3]), (11, DBL["0"])]),
+        ("optimizer_warmup_past_total", [(14, U64[2]), (12, U64[4097]), (13, U64[4096])]),
+        ("enums_out_of_range", [(16, U64[3]), (17, U64[63]), (18, U64[4095])]),
+        ("seed_max", [(19, U64[(1 << 64) - 1])])]:
+    put("fuzz_rpc", f"create_job_{name}", cj(*patches) + attach0 + status)
+
+
+def hp_patched(*patches):
+    return patched(13, list(patches))
+
+
+put("fuzz_rpc", "hyperparams_extremes",
+    hp_patched((0, DBL["1e308"])) + hp_patched((3, DBL["denormal"])) +
+    hp_patched((2, DBL["1-"])) + hp_patched((5, DBL["-0"])) + hp_patched((0, DBL["nan"])) +
+    hp_patched((1, DBL["1"])) + hp_patched((3, DBL["0"])) + hp_patched((6, DBL["inf"])) +
+    hp_patched((10, U64[2]), (6, DBL["0"])) + hp_patched((6, DBL["0"])) +
+    hp_patched((1, DBL["0"]), (2, DBL["0"]), (3, DBL["0"])) +
+    hp_patched((9, U64[3]), (7, U64[4097]), (8, U64[4096])) + status)
 print("seeds written under", OUT, file=sys.stderr)

@@ -2,6 +2,7 @@
 
 #include <fcntl.h>
 #include <google/protobuf/util/json_util.h>
+#include <limits.h>
 #include <sys/stat.h>
 #include <unistd.h>
 #include <xxhash.h>
@@ -20,6 +21,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "common/status_macros.h"
+#include "hostd/job_spec.h"
 #include "nlohmann/json.hpp"
 
 namespace slidedp::hostd {
@@ -662,9 +664,18 @@ absl::StatusOr<std::vector<CheckpointListing>> ListCheckpoints(const std::string
 }
 
 absl::StatusOr<CheckpointInfo> FindLatestCheckpointInfo(const std::string& path) {
+  // The path comes from a client (CreateJob's resume_path): messages show 1 KiB of it, since
+  // they travel back in gRPC's trailers (8 KiB for most clients).
+  const std::string shown = ShownText(path, 1024);
+  if (path.size() >= PATH_MAX) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "checkpoint path of ", path.size(), " bytes; at most ", PATH_MAX - 1, " ('", shown, "')"));
+  }
   std::error_code ec;
   if (!fs::is_directory(path, ec)) {
-    return absl::NotFoundError(absl::StrCat("checkpoint path ", path, " is not a directory"));
+    return absl::NotFoundError(
+        absl::StrCat("checkpoint path ", shown,
+                     fs::exists(path, ec) ? " is not a directory" : " does not exist"));
   }
   if (fs::exists(fs::path(path) / kCheckpointMarker, ec) ||
       fs::exists(fs::path(path) / kCheckpointMeta, ec)) {
@@ -706,7 +717,7 @@ absl::StatusOr<CheckpointInfo> FindLatestCheckpointInfo(const std::string& path)
     if (l.valid) return ReadCheckpointInfo(l.path);
     absl::StrAppend(&skipped, "; ", l.name, ": ", l.reason);
   }
-  return absl::NotFoundError(absl::StrCat("no committed checkpoint in ", path,
+  return absl::NotFoundError(absl::StrCat("no committed checkpoint in ", shown,
                                           all.empty() ? " (no step-* directories)" : skipped));
 }
 

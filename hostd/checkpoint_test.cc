@@ -419,6 +419,26 @@ TEST_F(CheckpointTest, IgnoresTmpAndUnmarkedDirectoriesAndPicksNewestValid) {
   EXPECT_TRUE(absl::IsNotFound(none.status())) << none.status();
 }
 
+TEST_F(CheckpointTest, ANamedPathThatIsNoCheckpointSaysWhatItIs) {
+  const std::string nothing = (dir_ / "nothing").string();
+  auto r = FindLatestCheckpoint(nothing);
+  EXPECT_TRUE(absl::IsNotFound(r.status())) << r.status();
+  EXPECT_NE(r.status().message().find("checkpoint path " + nothing + " does not exist"),
+            std::string::npos)
+      << r.status();
+  std::ofstream(dir_ / "file") << "x";
+  r = FindLatestCheckpoint((dir_ / "file").string());
+  EXPECT_NE(r.status().message().find("is not a directory"), std::string::npos) << r.status();
+  // A client's path (CreateJob's resume_path) beyond PATH_MAX: refused, its message bounded (it
+  // travels back in gRPC's trailers, which clients cap at 8 KiB).
+  r = FindLatestCheckpoint("/" + std::string(64 << 10, 'r'));
+  EXPECT_TRUE(absl::IsInvalidArgument(r.status())) << r.status().code();
+  EXPECT_NE(r.status().message().find("checkpoint path of 65537 bytes; at most 4095"),
+            std::string::npos)
+      << r.status().message().substr(0, 200);
+  EXPECT_LT(r.status().message().size(), 2048u);
+}
+
 TEST_F(CheckpointTest, FlippedByteFailsTheChecksumNamingTheFile) {
   auto state = NewState(1);
   Checkpointer cp(state.get(), pool_.get(), {.keep_last = 0});

@@ -35,6 +35,15 @@ std::string FormatSetting(double d) {
   return s;
 }
 
+std::string ShownText(absl::string_view text, size_t max_bytes) {
+  std::string shown(text.substr(0, max_bytes));
+  for (char& c : shown) {
+    if (!absl::ascii_isprint(static_cast<unsigned char>(c))) c = '?';
+  }
+  if (text.size() > max_bytes) absl::StrAppend(&shown, "... (", text.size(), " bytes)");
+  return shown;
+}
+
 std::optional<SettingError> CheckOptimizer(const OptimizerConfig& o) {
   const auto got = [](double v) { return absl::StrCat(", got ", FormatSetting(v)); };
   if (!std::isfinite(o.lr()) || o.lr() < 0) {
@@ -111,11 +120,7 @@ std::optional<SettingError> CheckJobId(absl::string_view job_id) {
     return absl::ascii_isalnum(static_cast<unsigned char>(c)) || c == '_' || c == '-' || c == '.';
   });
   if (job_id.empty() || job_id.size() > kMaxJobIdChars || !chars_ok) {
-    std::string shown(job_id.substr(0, 80));
-    for (char& c : shown) {
-      if (!absl::ascii_isprint(static_cast<unsigned char>(c))) c = '?';
-    }
-    return Err("job_id", absl::StrCat("'", shown, "' is not 1 to ", kMaxJobIdChars,
+    return Err("job_id", absl::StrCat("'", ShownText(job_id), "' is not 1 to ", kMaxJobIdChars,
                                       " characters of [A-Za-z0-9_.-]"));
   }
   return std::nullopt;
@@ -144,6 +149,55 @@ absl::StatusOr<OptimizerConfig> NormalizeOptimizerConfig(const OptimizerConfig& 
   if (c.grad_dtype() == slidedp::v1::DTYPE_UNSPECIFIED) c.set_grad_dtype(slidedp::v1::DTYPE_BF16);
   if (std::optional<SettingError> e = CheckOptimizer(c)) return SettingStatus(*e, "optimizer.");
   return c;
+}
+
+absl::StatusOr<OptimizerConfig> ApplyHyperParams(
+    const OptimizerConfig& current, const OptimizerConfig& in,
+    const google::protobuf::RepeatedPtrField<std::string>& fields) {
+  static constexpr char kSettable[] =
+      "lr, weight_decay, max_grad_norm, beta1, beta2, eps, warmup_steps, total_steps, "
+      "min_lr_ratio, schedule, clip";
+  if (fields.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat("fields: expected at least one of ", kSettable));
+  }
+  OptimizerConfig next = current;
+  for (const std::string& f : fields) {
+    if (f == "lr") {
+      next.set_lr(in.lr());
+    } else if (f == "weight_decay") {
+      next.set_weight_decay(in.weight_decay());
+    } else if (f == "max_grad_norm") {
+      next.set_max_grad_norm(in.max_grad_norm());
+    } else if (f == "beta1") {
+      next.set_beta1(in.beta1());
+    } else if (f == "beta2") {
+      next.set_beta2(in.beta2());
+    } else if (f == "eps") {
+      next.set_eps(in.eps());
+    } else if (f == "warmup_steps") {
+      next.set_warmup_steps(in.warmup_steps());
+    } else if (f == "total_steps") {
+      next.set_total_steps(in.total_steps());
+    } else if (f == "min_lr_ratio") {
+      next.set_min_lr_ratio(in.min_lr_ratio());
+    } else if (f == "schedule") {
+      next.set_schedule(in.schedule());
+    } else if (f == "clip") {
+      next.set_clip(in.clip());
+    } else {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "fields: '", ShownText(f), "' cannot be changed; expected one of ", kSettable));
+    }
+  }
+  // What the proto names these zeros; every other zero is the value it says.
+  if (next.schedule() == slidedp::v1::LR_SCHEDULE_UNSPECIFIED) {
+    next.set_schedule(slidedp::v1::LR_SCHEDULE_CONSTANT);
+  }
+  if (next.clip() == slidedp::v1::CLIP_POLICY_UNSPECIFIED) {
+    next.set_clip(slidedp::v1::CLIP_POLICY_NONE);
+  }
+  if (std::optional<SettingError> e = CheckOptimizer(next)) return SettingStatus(*e, "optimizer.");
+  return next;
 }
 
 absl::StatusOr<slidedp::v1::JobSpec> NormalizeJobSpec(slidedp::v1::JobSpec spec,

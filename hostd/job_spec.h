@@ -66,8 +66,26 @@ absl::StatusOr<slidedp::v1::OptimizerConfig> NormalizeOptimizerConfig(
 absl::StatusOr<slidedp::v1::JobSpec> NormalizeJobSpec(slidedp::v1::JobSpec spec,
                                                       const slidedp::v1::Routes& default_routes);
 
+// UpdateHyperParams: `current` (a job's effective optimizer) with the settings named in `fields`
+// taken from `in`. Settable: lr, weight_decay, max_grad_norm, beta1, beta2, eps, warmup_steps,
+// total_steps, min_lr_ratio, schedule, clip (grad_dtype and the booleans are fixed by the job).
+// A named field is a value, never "unset": beta1 0 is 0, and eps 0 or max_grad_norm 0 is refused
+// as the configuration refuses it (schedule and clip 0 are constant and none, as the proto says).
+// INVALID_ARGUMENT "fields: ..." for no field or one that cannot be changed,
+// "optimizer.<field>: ..." (CheckOptimizer's words) for a result out of bounds.
+absl::StatusOr<slidedp::v1::OptimizerConfig> ApplyHyperParams(
+    const slidedp::v1::OptimizerConfig& current, const slidedp::v1::OptimizerConfig& in,
+    const google::protobuf::RepeatedPtrField<std::string>& fields);
+
 // A double as the configuration writes it: the shortest text that reads back the same value,
 // always with '.', 'e', "inf" or "nan" (0.0001, 1.0, 1e-08).
 std::string FormatSetting(double d);
+
+// A string from a client as a status message quotes it: at most `max_bytes` bytes of it (then
+// "...", and the length), each byte that is not printable ASCII as '?'. A message carries the
+// client's value back in gRPC's trailers, which clients cap (8 KiB by default): a longer one
+// reaches the client as RESOURCE_EXHAUSTED "received initial metadata size exceeds limit"
+// instead of the answer.
+std::string ShownText(absl::string_view text, size_t max_bytes = 80);
 
 }  // namespace slidedp::hostd

@@ -1,6 +1,6 @@
 // One set of bounds for every source of a job's settings: each out-of-bounds value is refused by
 // hostd's configuration (ValidateConfig) and by the RPC path (NormalizeJobSpec, which CreateJob
-// uses; NormalizeOptimizerConfig, which UpdateHyperParams uses) with the same message, and each
+// uses; ApplyHyperParams, for UpdateHyperParams) with the same message, and each
 // value at a bound is accepted by all of them.
 #include "hostd/job_spec.h"
 
@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "hostd/config.h"
@@ -123,6 +124,93 @@ TEST(JobSpecTest, EveryPathRefusesTheSameValuesWithTheSameMessage) {
   }
 }
 
+const char* const kSettable[] = {"lr",           "weight_decay", "max_grad_norm", "beta1",
+                                 "beta2",        "eps",          "warmup_steps",  "total_steps",
+                                 "min_lr_ratio", "schedule",     "clip"};
+
+google::protobuf::RepeatedPtrField<std::string> Fields(std::vector<std::string> names) {
+  google::protobuf::RepeatedPtrField<std::string> out;
+  for (std::string& n : names) *out.Add() = std::move(n);
+  return out;
+}
+
+v1::OptimizerConfig JobOptimizer() {
+  return NormalizeOptimizerConfig(HostdConfig().optimizer).value();
+}
+
+TEST(JobSpecTest, UpdateHyperParamsRefusesWhatTheConfigRefusesInItsWords) {
+  const std::vector<std::string> all(std::begin(kSettable), std::end(kSettable));
+  for (const Case& c : OutOfBounds()) {
+    if (c.path.rfind("spec.optimizer.", 0) != 0 || c.field == "grad_dtype") continue;
+    SCOPED_TRACE(c.label);
+    HostdConfig cfg;
+    c.set(cfg);
+    const std::string config_msg(ValidateConfig(cfg).message());
+    const std::string what = config_msg.substr(c.field.size() + 2);
+    absl::StatusOr<v1::OptimizerConfig> r =
+        ApplyHyperParams(JobOptimizer(), cfg.optimizer, Fields(all));
+    ASSERT_FALSE(r.ok()) << "UpdateHyperParams accepted what the config refuses: " << config_msg;
+    EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_EQ(std::string(r.status().message()), "optimizer." + c.field + ": " + what);
+  }
+}
+
+TEST(JobSpecTest, UpdateHyperParamsTakesANamedZeroAsAValue) {
+  v1::OptimizerConfig in;  // every field 0
+  // The old path (NormalizeOptimizerConfig) filled 0.9, 0.999, 1e-8 for these and 1.0 for
+  // max_grad_norm: the request was answered OK with values it did not ask for.
+  absl::StatusOr<v1::OptimizerConfig> r =
+      ApplyHyperParams(JobOptimizer(), in, Fields({"beta1", "beta2", "eps"}));
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(std::string(r.status().message()),
+            "optimizer.eps: must be a finite number > 0, got 0.0");
+  r = ApplyHyperParams(JobOptimizer(), in, Fields({"max_grad_norm"}));
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(std::string(r.status().message()),
+            "optimizer.max_grad_norm: must be a finite number > 0, got 0.0");
+  // In bounds: 0 it is.
+  r = ApplyHyperParams(JobOptimizer(), in, Fields({"beta1", "lr", "weight_decay"}));
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->beta1(), 0.0);
+  EXPECT_EQ(r->lr(), 0.0);
+  EXPECT_EQ(r->beta2(), JobOptimizer().beta2());
+  // schedule and clip 0 are what the proto names them.
+  v1::OptimizerConfig clipped = JobOptimizer();
+  clipped.set_clip(v1::CLIP_POLICY_GLOBAL);
+  clipped.set_schedule(v1::LR_SCHEDULE_COSINE);
+  r = ApplyHyperParams(clipped, in, Fields({"clip", "schedule"}));
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->clip(), v1::CLIP_POLICY_NONE);
+  EXPECT_EQ(r->schedule(), v1::LR_SCHEDULE_CONSTANT);
+}
+
+TEST(JobSpecTest, UpdateHyperParamsNamesTheFieldsItCannotChange) {
+  v1::OptimizerConfig in;
+  absl::StatusOr<v1::OptimizerConfig> r = ApplyHyperParams(JobOptimizer(), in, Fields({}));
+  ASSERT_FALSE(r.ok());
+  EXPECT_THAT(std::string(r.status().message()), HasSubstr("fields: expected at least one of lr"));
+  for (const char* fixed :
+       {"grad_dtype", "scale_by_world_size", "no_decay_norms_and_biases", "momentum", ""}) {
+    r = ApplyHyperParams(JobOptimizer(), in, Fields({"lr", fixed}));
+    ASSERT_FALSE(r.ok()) << fixed;
+    EXPECT_THAT(std::string(r.status().message()),
+                HasSubstr(absl::StrCat("fields: '", fixed, "' cannot be changed")));
+  }
+  // A client's 1 MiB name comes back bounded (gRPC clients take 8 KiB of trailers).
+  r = ApplyHyperParams(JobOptimizer(), in, Fields({std::string(1 << 20, 'f')}));
+  ASSERT_FALSE(r.ok());
+  EXPECT_LT(r.status().message().size(), 400u);
+  EXPECT_THAT(std::string(r.status().message()), HasSubstr("... (1048576 bytes)"));
+}
+
+TEST(JobSpecTest, ShownTextIsBoundedAndPrintable) {
+  EXPECT_EQ(ShownText("a/b"), "a/b");
+  EXPECT_EQ(ShownText("x\n\x01y"), "x??y");
+  EXPECT_EQ(ShownText(std::string(80, 'a')), std::string(80, 'a'));
+  EXPECT_EQ(ShownText(std::string(81, 'a')), std::string(80, 'a') + "... (81 bytes)");
+  EXPECT_EQ(ShownText("abcdef", 3), "abc... (6 bytes)");
+}
+
 TEST(JobSpecTest, ValuesAtTheBoundsAreAcceptedEverywhere) {
   const std::vector<std::function<void(HostdConfig&)>> at_bounds = {
       [](HostdConfig& c) { c.optimizer.set_lr(0); },
@@ -145,6 +233,10 @@ TEST(JobSpecTest, ValuesAtTheBoundsAreAcceptedEverywhere) {
     EXPECT_TRUE(ValidateConfig(cfg).ok()) << ValidateConfig(cfg);
     absl::StatusOr<v1::JobSpec> spec = NormalizeJobSpec(SpecOf(cfg), DefaultRoutes());
     EXPECT_TRUE(spec.ok()) << spec.status();
+    const absl::StatusOr<v1::OptimizerConfig> updated = ApplyHyperParams(
+        JobOptimizer(), cfg.optimizer,
+        Fields(std::vector<std::string>(std::begin(kSettable), std::end(kSettable))));
+    EXPECT_TRUE(updated.ok()) << updated.status();
   }
 }
 

@@ -18,6 +18,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/substitute.h"
 #include "common/status_macros.h"
+#include "hostd/job_spec.h"
 #include "nlohmann/json.hpp"
 
 namespace slidedp::hostd {
@@ -216,7 +217,7 @@ void PutString(std::string& out, std::string_view s) {
 }
 
 std::string LayerPath(int index, const LayerSpec& layer) {
-  return absl::StrCat("manifest.layers[", index, "] ('", layer.name(), "')");
+  return absl::StrCat("manifest.layers[", index, "] ('", ShownText(layer.name()), "')");
 }
 
 }  // namespace
@@ -319,7 +320,8 @@ absl::Status ValidateManifest(const ModelManifest& m) {
     uint64_t layer_numel = 0;
     for (int j = 0; j < layer.tensors_size(); ++j) {
       const TensorSpec& t = layer.tensors(j);
-      const std::string tpath = absl::StrCat(path, ".tensors[", j, "] ('", t.name(), "')");
+      const std::string tpath =
+          absl::StrCat(path, ".tensors[", j, "] ('", ShownText(t.name()), "')");
       if (t.name().empty()) {
         return absl::InvalidArgumentError(
             absl::StrCat(path, ".tensors[", j, "].name is empty; expected a unique tensor name"));

@@ -724,6 +724,19 @@ TEST(ValidateManifestTest, RejectsTooManyLayers) {
   EXPECT_TRUE(ValidateManifest(m).ok());
 }
 
+TEST(ValidateManifestTest, LongNamesComeBackBounded) {
+  // The message quoted the whole name; in gRPC's trailers (8 KiB for most clients) a long one
+  // reached the client as RESOURCE_EXHAUSTED "received initial metadata size exceeds limit".
+  ModelManifest m = SmallManifest();
+  m.mutable_layers(1)->set_name(std::string(1 << 20, 'l'));
+  m.mutable_layers(1)->mutable_tensors(1)->set_name(std::string(1 << 20, 't'));
+  m.mutable_layers(1)->mutable_tensors(1)->set_shape(1, 0);
+  const absl::Status s = ValidateManifest(m);
+  ExpectInvalid(m, ".shape[1] is 0; every dimension must be >= 1");
+  ExpectInvalid(m, "... (1048576 bytes)')");
+  EXPECT_LT(s.message().size(), 512u);
+}
+
 // ---------------------------------------------------------------------------------------------
 // Init kinds and counts.
 

@@ -1,5 +1,7 @@
 #include "hostd/output_roots.h"
 
+#include <limits.h>
+
 #include <filesystem>
 #include <system_error>
 
@@ -7,6 +9,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "common/status_macros.h"
+#include "hostd/job_spec.h"
 
 namespace slidedp::hostd {
 namespace {
@@ -17,6 +20,12 @@ constexpr char kHowToAllow[] =
     "; to allow it, set output_roots in hostd's config: a comma-separated list of absolute "
     "directories (output_roots = \"/var/lib/slidedp\"; \"/\" allows any directory; flag "
     "--output_roots, environment SLIDEDP_OUTPUT_ROOTS)";
+
+// How much of a path a message shows: the message goes back to the client in gRPC's trailers,
+// which clients cap at 8 KiB, and it may name two paths and the roots.
+constexpr size_t kShownPathBytes = 1024;
+
+std::string Shown(const std::string& path) { return ShownText(path, kShownPathBytes); }
 
 // "/a/b/" -> "/a/b" ("/" stays).
 fs::path StripTrailingSlashes(std::string text) {
@@ -29,7 +38,7 @@ fs::path StripTrailingSlashes(std::string text) {
 absl::StatusOr<fs::path> Resolve(absl::string_view what, const fs::path& p) {
   std::error_code ec;
   fs::path r = fs::weakly_canonical(fs::absolute(p, ec), ec);
-  if (ec) return ErrnoStatus(absl::StrCat(what, ": resolve ", p.string()), ec.value());
+  if (ec) return ErrnoStatus(absl::StrCat(what, ": resolve ", Shown(p.string())), ec.value());
   return StripTrailingSlashes(r.lexically_normal().string());
 }
 
@@ -43,10 +52,17 @@ bool IsWithin(const fs::path& base, const fs::path& p, bool strictly) {
 }
 
 absl::Status CheckAbsolute(absl::string_view field, const std::string& path) {
-  if (!path.empty() && path.front() == '/') return absl::OkStatus();
-  return absl::InvalidArgumentError(absl::StrCat(
-      field, ": expected an absolute path (hostd has its own working directory), got '", path,
-      "'"));
+  if (path.empty() || path.front() != '/') {
+    return absl::InvalidArgumentError(absl::StrCat(
+        field, ": expected an absolute path (hostd has its own working directory), got '",
+        Shown(path), "'"));
+  }
+  if (path.size() >= PATH_MAX) {
+    return absl::InvalidArgumentError(absl::StrCat(field, ": a path of ", path.size(),
+                                                   " bytes; at most ", PATH_MAX - 1, " ('",
+                                                   Shown(path), "')"));
+  }
+  return absl::OkStatus();
 }
 
 absl::StatusOr<bool> UnderARoot(const fs::path& resolved, const std::vector<std::string>& roots,
@@ -59,9 +75,9 @@ absl::StatusOr<bool> UnderARoot(const fs::path& resolved, const std::vector<std:
 }
 
 std::string Describe(const std::string& given, const fs::path& resolved) {
-  std::string text = absl::StrCat("'", given, "'");
+  std::string text = absl::StrCat("'", Shown(given), "'");
   if (resolved != StripTrailingSlashes(given)) {
-    absl::StrAppend(&text, " (resolved: '", resolved.string(), "')");
+    absl::StrAppend(&text, " (resolved: '", Shown(resolved.string()), "')");
   }
   return text;
 }

@@ -12,10 +12,11 @@
 // (std::filesystem::weakly_canonical), on both sides (a root that is a symlink is its target), so
 // "/root/ok/../../etc" and a symlink inside a root that points out of it are refused.
 //
-// Errors: INVALID_ARGUMENT naming the field for an empty or relative path; PERMISSION_DENIED
-// naming the field, the path (and what it resolves to), the allowed directories and the key to
-// set; errno-based codes naming the path when it cannot be resolved. Reads the file system only
-// (lstat/readlink); thread-safe.
+// Errors: INVALID_ARGUMENT naming the field for an empty or relative path, or one of PATH_MAX
+// bytes or more; PERMISSION_DENIED naming the field, the path (and what it resolves to), the
+// allowed directories and the key to set; errno-based codes naming the path when it cannot be
+// resolved. Messages show at most 1 KiB of a path (they travel back in gRPC's trailers). Reads
+// the file system only (lstat/readlink); thread-safe.
 #pragma once
 
 #include <string>

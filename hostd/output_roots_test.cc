@@ -118,5 +118,29 @@ TEST_F(OutputRootsTest, CheckpointDirIsCheckpointDirOrUnderARoot) {
   EXPECT_TRUE(ok.ok()) << ok.status();
 }
 
+TEST_F(OutputRootsTest, LongPathsAreRefusedWithABoundedMessage) {
+  // A message quoting the whole path went back to the client in gRPC's trailers, which clients
+  // cap at 8 KiB: the client saw RESOURCE_EXHAUSTED "received initial metadata size exceeds
+  // limit" instead of the answer.
+  const std::string long_dir = root_ + "/" + std::string(64 << 10, 'd');
+  for (const absl::Status& s : {CheckCheckpointDir(long_dir, "", {root_}).status(),
+                                CheckExportOutDir(long_dir, {root_}).status()}) {
+    ExpectCode(s, absl::StatusCode::kInvalidArgument, "a path of 65");
+    ExpectCode(s, absl::StatusCode::kInvalidArgument, "bytes; at most 4095");
+    EXPECT_LT(s.message().size(), 2048u) << s.message().size();
+  }
+  const std::string relative(64 << 10, 'r');
+  const absl::Status s = CheckExportOutDir(relative, {root_}).status();
+  ExpectCode(s, absl::StatusCode::kInvalidArgument, "out_dir: expected an absolute path");
+  EXPECT_LT(s.message().size(), 2048u);
+  // Below PATH_MAX, a long path's message shows 1 KiB of it.
+  const std::string outside = tmp_ + "/outside/" + std::string(200, 'o') + "/" +
+                              std::string(200, 'o') + "/" + std::string(200, 'o') + "/" +
+                              std::string(200, 'o') + "/" + std::string(200, 'o') + "/x";
+  const absl::Status denied = CheckExportOutDir(outside, {root_}).status();
+  ExpectCode(denied, absl::StatusCode::kPermissionDenied, "... (");
+  EXPECT_LT(denied.message().size(), 2048u);
+}
+
 }  // namespace
 }  // namespace slidedp::hostd

@@ -465,6 +465,72 @@ class PythonClientTest(unittest.TestCase):
             self.assertTrue(torch.equal(layer.flat, want.bfloat16()), f"layer {i}")
         opt.close()
 
+    def test_refused_uploads_of_resident_layers_raise(self):
+        """Rank 0's uploads of the resident layers (nondecoder="resident") that hostd refuses
+        reach the caller: the one a checkpoint asked for from opt.step() once it has finished
+        (the step itself completes and training goes on), the final one from opt.close() after
+        the detach. The old client only logged both: every opt.step() returned its figures and
+        close() returned None, while hostd's copy of the layers stayed older than the training
+        (its checkpoint of that version and its final one lack them)."""
+        if DEVICE != "cpu":
+            self.skipTest("runs in the CPU variant (python_client_test)")
+        import torch
+        import transformers
+        import slidedp
+        d = self.prepare("upl", "qwen3-tiny")
+        sock, _, _ = self.start_hostd(d, 1, "up")
+        os.environ["SLIDEDP_RANK_LIB"] = LIB
+        model = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32)
+        model.train()
+        model, opt = slidedp.attach(model, hostd=sock, device="cpu", nondecoder="resident")
+        rt = model.slidedp
+        x = torch.randint(0, model.config.vocab_size, (2, 16))
+
+        def train_step():
+            model(input_ids=x, labels=x).loss.backward()
+            return opt.step()
+
+        self.assertEqual(train_step()["step"], 1)
+        # hostd asks rank 0 (ControlBlock::client_sync_step) for version 1 once, as a checkpoint
+        # of it would, but by the time the upload arrives step 2 runs or has completed: hostd
+        # refuses it (FAILED_PRECONDITION, "only between steps, of the last completed step").
+        asked = iter([rt.resident_version])
+        rt.rank.client_sync_step = lambda: next(asked, 0)
+        raised = []
+        for _ in range(2):  # the upload runs in the background: its failure comes with the
+            try:            # step that finds it finished (step 2, else step 3)
+                train_step()
+            except slidedp.SlideDPError as e:
+                raised.append(e)
+            if rt.sync_thread is not None:
+                rt.sync_thread.join()
+        del rt.rank.client_sync_step
+        self.assertEqual(len(raised), 1, raised)
+        self.assertEqual(raised[0].code, 9, str(raised[0]))
+        self.assertIn("upload of the resident layers (client_updated_layers) at version 1 to "
+                      "hostd failed, so hostd's checkpoint of that version lacks them",
+                      str(raised[0]))
+        self.assertIn("only between steps", str(raised[0]))
+        self.assertIsNone(rt.step)  # the step completed
+        self.assertEqual(train_step()["step"], 4)  # and training goes on
+        # The final upload at close, for a version hostd has not reached: refused, raised.
+        rt.resident_version += 5
+        with self.assertRaises(slidedp.SlideDPError) as cm:
+            opt.close()
+        self.assertEqual(cm.exception.code, 9, str(cm.exception))
+        self.assertIn("at version 9 to hostd failed, so hostd's copy of them stays at an older "
+                      "version", str(cm.exception))
+        self.assertIn("got version 9", str(cm.exception))
+        # Detached all the same, and hostd still serves the job, at step 4.
+        ctl = os.path.join(os.path.dirname(HOSTD), "slidedpctl")  # a bundle's bin/
+        if not os.path.exists(ctl):  # the build tree
+            ctl = os.path.join(os.path.dirname(os.path.dirname(HOSTD)), "slidedpctl", "slidedpctl")
+        out = subprocess.run([ctl, "--socket", sock, "status", "--json"], capture_output=True,
+                             text=True, check=True).stdout
+        status = json.loads(out)
+        self.assertEqual(int(status["job"]["step"]), 4, out)
+        self.assertFalse([r for r in status.get("ranks", []) if r.get("attached")], out)
+
     def test_bad_input(self):
         """Each bad input fails in attach with a message naming what is wrong, and hostd's
         weights are untouched (a correct rank attaches afterwards and verifies them)."""

@@ -307,6 +307,9 @@ class SlideDPOptimizer:
         self.state = {}
 
     def step(self, closure=None):
+        """Ends the training step. Raises SlideDPError when rank 0's upload of the resident
+        layers that a hostd checkpoint asked for failed (hostd's checkpoint then lacks them and
+        fails): the step itself has completed, and training may go on."""
         if closure is not None:
             with torch.enable_grad():
                 closure()
@@ -323,6 +326,11 @@ class SlideDPOptimizer:
         self.state_dict()
 
     def close(self):
+        """Detaches from hostd. Rank 0 first uploads the resident layers' final state
+        (nondecoder="resident", resident_layers) so that hostd's final checkpoint, ExportHF and
+        a resume include it; when that upload (or a checkpoint's that was not raised yet) fails,
+        close() raises SlideDPError after detaching: hostd's copy of those layers is older than
+        the training, so its final checkpoint is not written and ExportHF refuses."""
         self._rt.close()
 
 
@@ -361,7 +369,8 @@ class StreamedRuntime:
         self.resident_version = rank.next_step - 1
         self.sync_thread = None
         self.sync_started = 0  # the version of the last upload begun
-        self.sync_error = None
+        self.sync_done = 0  # the version of the last upload hostd took
+        self.sync_error = None  # (version, exception) of a failed upload, until it is raised
         self.snapshot_s = 0.0  # this step's time taking a snapshot (on the training thread)
 
     # ---- parameters in and out of the window ----
@@ -764,22 +773,45 @@ class StreamedRuntime:
                         self.rank.upload_client_layer(version, idx, part, off, ptr, c)
                         nbytes += c * 4
             del snap
+            self.sync_done = version
             log.info("rank 0 uploaded its resident layers at version %d to hostd: %.2f GB in "
                      "%.2f s", version, nbytes / 1e9, time.perf_counter() - t0)
-        except Exception as e:  # noqa: BLE001 - reported at the next join
-            self.sync_error = e
+        except Exception as e:  # noqa: BLE001 - raised on the training thread (_upload_error)
+            if isinstance(e, SlideDPError) and e.code == 6:  # ALREADY_EXISTS: hostd has it
+                self.sync_done = version
+                return
+            if self.sync_error is None:
+                self.sync_error = (version, e)
             log.error("uploading the resident layers at version %d failed: %s", version, e)
+
+    def _upload_error(self, what):
+        """The failure of a finished upload, as the SlideDPError to raise (once), else None."""
+        if self.sync_thread is not None and not self.sync_thread.is_alive():
+            self._join_upload()
+        if self.sync_error is None:
+            return None
+        version, e = self.sync_error
+        self.sync_error = None
+        code = e.code if isinstance(e, SlideDPError) else 13
+        detail = e.message if isinstance(e, SlideDPError) else f"{type(e).__name__}: {e}"
+        return SlideDPError(code, f"rank 0's upload of the resident layers (client_updated_layers)"
+                                  f" at version {version} to hostd failed, {what}: {detail}")
 
     def _upload_final(self):
         """Rank 0 leaves its resident layers' final state in hostd, so that hostd's final
-        checkpoint (a clean stop), ExportHF and a later resume include them."""
-        if self.rank.rank != 0 or not self._resident_layers() or \
-                self.resident_version == self.sync_started:
-            return
-        self._start_upload(self.resident_version, wait=True)
-        if self.sync_error is not None and "ALREADY_EXISTS" not in str(self.sync_error):
-            log.warning("hostd's copy of the resident layers stays at an older version: %s",
-                        self.sync_error)
+        checkpoint (a clean stop), ExportHF and a later resume include them. Returns the
+        SlideDPError of an upload that failed (this one, or a checkpoint's not raised yet)."""
+        if self.rank.rank != 0 or not self._resident_layers():
+            return None
+        self._join_upload()
+        earlier = self._upload_error("so hostd's checkpoint of that version lacks them")
+        if self.resident_version != self.sync_done:
+            self._start_upload(self.resident_version, wait=True)
+        final = self._upload_error(
+            "so hostd's copy of them stays at an older version: its final checkpoint (a clean "
+            "stop) is not written and ExportHF refuses; hostd --resume from an earlier checkpoint "
+            "goes back to it")
+        return final or earlier
 
     def _join_upload(self):
         if self.sync_thread is not None:
@@ -883,6 +915,11 @@ class StreamedRuntime:
                  "begin wait %.3f s, push wait %.3f s", stats["step"], dt, stats["tokens_per_s"],
                  stats["model_tflops_per_gpu"], stats["param_fetch_wait_s"], slot_wait,
                  stats["step_begin_wait_s"], push_wait)
+        # The step is complete either way; a checkpoint's upload that failed is not silent.
+        err = self._upload_error("so hostd's checkpoint of that version lacks them and fails "
+                                 f"(step {stats['step']} itself completed)")
+        if err is not None:
+            raise err
         return stats
 
     def fetch_state_dict(self):
@@ -915,15 +952,19 @@ class StreamedRuntime:
             h.remove()
         for module, attr in self.restore:
             module.__dict__.pop(attr, None)
+        err = None
         try:
             if self.step is None and self.next_step > self.rank.next_step:
                 # Detaching before the last step's updates are applied would abort it.
                 self.rank.wait_step(self.next_step - 1)
-                self._upload_final()
+                err = self._upload_final()
         finally:
             self._join_upload()
+            err = err or self._upload_error("so hostd's checkpoint of that version lacks them")
             self.backend.close()
             self.rank.detach()
+        if err is not None:
+            raise err
 
 
 def _env_int(name):
