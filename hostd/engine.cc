@@ -421,6 +421,10 @@ absl::Status Engine::StartCheckpointLocked(const std::string& dir, uint64_t step
 }
 
 absl::Status Engine::CheckClientLayerPartLocked(uint32_t layer, uint32_t part) const {
+  if (layer >= state_->num_layers()) {
+    return absl::OutOfRangeError(
+        absl::StrCat("layer: ", layer, " does not exist; expected 0..", state_->num_layers() - 1));
+  }
   if (layer >= client_updated_.size() || !client_updated_[layer]) {
     return absl::FailedPreconditionError(absl::StrCat(
         "layer: ", layer, " is not updated by the ranks; the client-updated layers are ",
@@ -648,8 +652,8 @@ absl::Status Engine::CheckJob(absl::string_view job_id) const {
         "no job exists yet: create one with CreateJob (or start hostd with --model)");
   }
   if (!job_id.empty() && job_id != job_->job_id()) {
-    return absl::NotFoundError(
-        absl::StrCat("job_id: unknown job '", job_id, "'; this hostd has '", job_->job_id(), "'"));
+    return absl::NotFoundError(absl::StrCat("job_id: unknown job '", ShownText(job_id),
+                                            "'; this hostd has '", job_->job_id(), "'"));
   }
   return absl::OkStatus();
 }
@@ -676,15 +680,15 @@ absl::StatusOr<slidedp::v1::HandshakeResponse> Engine::Handshake(
   const auto& c = r.client();
   if (c.protocol_version() != kProtocolVersion) {
     return absl::FailedPreconditionError(absl::StrCat(
-        "version skew: ", c.component().empty() ? "client" : c.component(), " ", c.version(),
-        " speaks protocol_version ", c.protocol_version(), " but hostd ", kVersion,
-        " speaks protocol_version ", kProtocolVersion, "; install matching versions"));
+        "version skew: ", c.component().empty() ? "client" : ShownText(c.component()), " ",
+        ShownText(c.version()), " speaks protocol_version ", c.protocol_version(), " but hostd ",
+        kVersion, " speaks protocol_version ", kProtocolVersion, "; install matching versions"));
   }
   if (c.shm_abi_version() != 0 && c.shm_abi_version() != kShmAbiVersion) {
     return absl::FailedPreconditionError(absl::StrCat(
-        "version skew: ", c.component().empty() ? "client" : c.component(), " ", c.version(),
-        " uses shm_abi_version ", c.shm_abi_version(), " but hostd ", kVersion,
-        " uses shm_abi_version ", kShmAbiVersion, "; install matching versions"));
+        "version skew: ", c.component().empty() ? "client" : ShownText(c.component()), " ",
+        ShownText(c.version()), " uses shm_abi_version ", c.shm_abi_version(), " but hostd ",
+        kVersion, " uses shm_abi_version ", kShmAbiVersion, "; install matching versions"));
   }
   slidedp::v1::HandshakeResponse resp;
   *resp.mutable_daemon() = DaemonBuildInfo();
@@ -978,6 +982,11 @@ absl::StatusOr<slidedp::v1::CreateJobResponse> Engine::CreateJob(
   std::optional<CheckpointInfo> resume;
   slidedp::v1::ModelManifest manifest = r.spec().manifest();
   if (!r.resume_path().empty()) {
+    if (r.resume_path().front() != '/') {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "resume_path: expected an absolute path (hostd has its own working directory), got '",
+          ShownText(r.resume_path(), 1024), "'"));
+    }
     auto found = FindLatestCheckpoint(r.resume_path());
     if (!found.ok()) return Annotate(found.status(), "resume_path");
     resume = std::move(*found);
@@ -1000,6 +1009,8 @@ absl::StatusOr<slidedp::v1::CreateJobResponse> Engine::CreateJob(
       const uint64_t want = ManifestHash(manifest);
       if (want == state_->manifest_hash() &&
           (r.spec().job_id().empty() || r.spec().job_id() == job_->job_id())) {
+        // The same bounds as a new job's: a value out of them is refused, not ignored.
+        RETURN_IF_ERROR(NormalizeJobSpec(r.spec(), config_.routes).status());
         // Idempotent: the same model is already loaded (e.g. hostd started with --model).
         slidedp::v1::CreateJobResponse resp;
         *resp.mutable_spec() = *job_;
@@ -1056,7 +1067,7 @@ absl::StatusOr<slidedp::v1::AttachRankResponse> Engine::AttachRank(
   if (r.manifest_hash() != have) {
     return absl::FailedPreconditionError(
         absl::StrCat("manifest_hash: the rank's model has manifest ",
-                     r.manifest_hash().empty() ? "(empty)" : r.manifest_hash(),
+                     r.manifest_hash().empty() ? "(empty)" : ShownText(r.manifest_hash()),
                      " but the job's is ", have, "; the rank must build the same model as hostd"));
   }
   RankEntry& e = ranks_[r.rank()];
@@ -1352,7 +1363,7 @@ void Engine::MarkCompletedLocked(uint64_t step) {
 }
 
 void Engine::NoteAbortLocked(uint64_t step, absl::string_view reason) {
-  recent_aborts_.emplace_back(step, std::string(reason));
+  recent_aborts_.emplace_back(step, ShownText(reason, 256));
   if (recent_aborts_.size() > kRecentAborts) recent_aborts_.pop_front();
 }
 
@@ -1564,11 +1575,11 @@ absl::Status Engine::WaitLayerVersion(uint32_t layer, uint64_t version, millisec
 absl::Status Engine::PublishCommId(const slidedp::v1::PublishCommIdRequest& r) {
   absl::MutexLock lock(&mu_);
   RETURN_IF_ERROR(CheckJob(r.job_id()));
+  RETURN_IF_ERROR(CheckRankTokenLocked(r.rank(), r.attach_token()));
   if (r.rank() != 0) {
     return absl::PermissionDeniedError(
         absl::StrCat("rank: only rank 0 publishes the communicator id, got rank ", r.rank()));
   }
-  RETURN_IF_ERROR(CheckRankTokenLocked(r.rank(), r.attach_token()));
   if (r.unique_id().empty() || r.unique_id().size() > 4096) {
     return absl::InvalidArgumentError(absl::StrCat(
         "unique_id: expected 1..4096 bytes (128 for NCCL), got ", r.unique_id().size()));
@@ -1588,25 +1599,29 @@ absl::Status Engine::PublishCommId(const slidedp::v1::PublishCommIdRequest& r) {
 }
 
 absl::StatusOr<slidedp::v1::FetchCommIdResponse> Engine::FetchCommId(
-    const slidedp::v1::FetchCommIdRequest& r) {
+    const slidedp::v1::FetchCommIdRequest& r, absl::Time deadline) {
   absl::MutexLock lock(&mu_);
   RETURN_IF_ERROR(CheckJob(r.job_id()));
   RETURN_IF_ERROR(CheckRankTokenLocked(r.rank(), r.attach_token()));
+  if (r.generation() == 0) {
+    return absl::InvalidArgumentError("generation: expected >= 1, got 0");
+  }
   const uint64_t gen = r.generation();
+  const uint64_t wait_ms = std::min<uint64_t>(r.wait_ms(), 600000);
   const std::string token = ranks_[r.rank()].token;
   auto ready = [this, gen, &r, &token]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     return !serving_ || comm_ids_.count(gen) != 0 || ranks_[r.rank()].token != token;
   };
-  mu_.AwaitWithTimeout(
+  mu_.AwaitWithDeadline(
       absl::Condition(&ready),
-      absl::Milliseconds(static_cast<int64_t>(std::min<uint64_t>(r.wait_ms(), 600000))));
+      std::min(deadline, absl::Now() + absl::Milliseconds(static_cast<int64_t>(wait_ms))));
   RETURN_IF_ERROR(CheckServing());
   RETURN_IF_ERROR(CheckRankTokenLocked(r.rank(), r.attach_token()));
   auto it = comm_ids_.find(gen);
   if (it == comm_ids_.end()) {
     return absl::DeadlineExceededError(
         absl::StrCat("rank 0 has not published the communicator id of generation ", gen, " within ",
-                     r.wait_ms(), " ms", ranks_[0].attached ? "" : " (rank 0 is not attached)"));
+                     wait_ms, " ms", ranks_[0].attached ? "" : " (rank 0 is not attached)"));
   }
   slidedp::v1::FetchCommIdResponse resp;
   resp.set_unique_id(it->second);
@@ -1867,44 +1882,8 @@ absl::StatusOr<slidedp::v1::UpdateHyperParamsResponse> Engine::UpdateHyperParams
     const slidedp::v1::UpdateHyperParamsRequest& r) {
   absl::MutexLock lock(&mu_);
   RETURN_IF_ERROR(CheckJob(r.job_id()));
-  if (r.fields().empty()) {
-    return absl::InvalidArgumentError(
-        "fields: expected at least one of lr, weight_decay, max_grad_norm, beta1, beta2, eps, "
-        "warmup_steps, total_steps, min_lr_ratio, schedule, clip");
-  }
-  slidedp::v1::OptimizerConfig next = worker_->optimizer();
-  const auto& in = r.optimizer();
-  for (const std::string& f : r.fields()) {
-    if (f == "lr")
-      next.set_lr(in.lr());
-    else if (f == "weight_decay")
-      next.set_weight_decay(in.weight_decay());
-    else if (f == "max_grad_norm")
-      next.set_max_grad_norm(in.max_grad_norm());
-    else if (f == "beta1")
-      next.set_beta1(in.beta1());
-    else if (f == "beta2")
-      next.set_beta2(in.beta2());
-    else if (f == "eps")
-      next.set_eps(in.eps());
-    else if (f == "warmup_steps")
-      next.set_warmup_steps(in.warmup_steps());
-    else if (f == "total_steps")
-      next.set_total_steps(in.total_steps());
-    else if (f == "min_lr_ratio")
-      next.set_min_lr_ratio(in.min_lr_ratio());
-    else if (f == "schedule")
-      next.set_schedule(in.schedule());
-    else if (f == "clip")
-      next.set_clip(in.clip());
-    else {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "fields: '", f,
-          "' cannot be changed; expected one of lr, weight_decay, max_grad_norm, "
-          "beta1, beta2, eps, warmup_steps, total_steps, min_lr_ratio, schedule, clip"));
-    }
-  }
-  ASSIGN_OR_RETURN(next, NormalizeOptimizerConfig(next));
+  ASSIGN_OR_RETURN(const slidedp::v1::OptimizerConfig next,
+                   ApplyHyperParams(worker_->optimizer(), r.optimizer(), r.fields()));
   if (next.clip() == slidedp::v1::CLIP_POLICY_GLOBAL && !client_layers_.empty()) {
     return absl::FailedPreconditionError(absl::StrCat(
         "clip: global needs every layer's gradient, but the ranks update layers ",

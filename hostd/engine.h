@@ -103,8 +103,10 @@ class Engine {
       const slidedp::v1::BeginStepRequest& r, absl::Time deadline = absl::InfiniteFuture());
   absl::Status AbortStep(const slidedp::v1::AbortStepRequest& r);
   absl::Status PublishCommId(const slidedp::v1::PublishCommIdRequest& r);
+  // Waits up to wait_ms (at most 10 min) and no longer than `deadline` (the RPC's) for rank 0's
+  // id of that generation.
   absl::StatusOr<slidedp::v1::FetchCommIdResponse> FetchCommId(
-      const slidedp::v1::FetchCommIdRequest& r);
+      const slidedp::v1::FetchCommIdRequest& r, absl::Time deadline = absl::InfiniteFuture());
   absl::StatusOr<slidedp::v1::GetStatusResponse> GetStatus();
   // One line for a service manager's STATUS ("job default (qwen3-4b): 120 steps, running, 1/1
   // ranks attached", "creating job ...", "serving, no job"). It waits at most `max_wait` for the
@@ -320,7 +322,7 @@ class Engine {
   // The version rank 0 is asked to upload (0: none; mirrored in ControlBlock::client_sync_step).
   uint64_t client_sync_step_ ABSL_GUARDED_BY(mu_) = 0;
   // The upload in progress: its version and, per layer, elements received of master, m, v.
-  uint64_t client_upload_step_ ABSL_GUARDED_BY(mu_) = 0;
+  std::optional<uint64_t> client_upload_step_ ABSL_GUARDED_BY(mu_);  // nullopt: none yet
   std::vector<std::array<uint64_t, 3>> client_received_ ABSL_GUARDED_BY(mu_);
   // An UploadClientLayer piece is being copied into the state outside mu_ (one at a time).
   bool client_piece_copying_ ABSL_GUARDED_BY(mu_) = false;

@@ -232,8 +232,9 @@ TEST_F(EngineTest, BadInputGetsSpecificStatusAndLeavesStateUntouched) {
     r.set_unique_id(std::string(128, 'x'));
     r.set_generation(1);
     v1::PublishCommIdResponse resp;
-    cases.push_back({"publish from rank 1", call(&v1::Control::Stub::PublishCommId, r, &resp),
-                     grpc::StatusCode::PERMISSION_DENIED, "rank"});
+    cases.push_back({"publish from rank 1 of a job of one rank",
+                     call(&v1::Control::Stub::PublishCommId, r, &resp),
+                     grpc::StatusCode::OUT_OF_RANGE, "rank: expected 0..0"});
     r.set_rank(0);
     cases.push_back({"publish unattached", call(&v1::Control::Stub::PublishCommId, r, &resp),
                      grpc::StatusCode::FAILED_PRECONDITION, "rank 0 is not attached"});

@@ -155,7 +155,7 @@ class ControlServer::Impl final : public v1::Control::Service {
   grpc::Status FetchCommId(grpc::ServerContext* ctx, const v1::FetchCommIdRequest* req,
                            v1::FetchCommIdResponse* resp) override {
     if (absl::Status a = Authorize(ctx, tcp_token_); !a.ok()) return ToGrpcStatus(a);
-    return Reply(engine_->FetchCommId(*req), resp);
+    return Reply(engine_->FetchCommId(*req, DeadlineOf(ctx)), resp);
   }
   grpc::Status GetStatus(grpc::ServerContext* ctx, const v1::GetStatusRequest*,
                          v1::GetStatusResponse* resp) override {
