@@ -59,6 +59,12 @@ class EngineTest : public ::testing::Test {
     server_.reset();
     if (engine_) engine_->Shutdown(/*remove_state=*/true).IgnoreError();
     engine_.reset();
+    // A stop that could not checkpoint the final state keeps the segments for the next hostd
+    // (Shutdown's contract); no test leaves them in /dev/shm.
+    for (auto kind : {shm::SegmentKind::kControl, shm::SegmentKind::kState,
+                      shm::SegmentKind::kParams, shm::SegmentKind::kGrads}) {
+      ShmSegment::Remove(SegmentName(config_.instance, kind)).IgnoreError();
+    }
     std::filesystem::remove_all(dir_);
   }
   void Start() {
