@@ -52,6 +52,9 @@ import unittest
 
 import grpc
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from pbwire import pb, varint  # noqa: E402
+
 HOSTD = LIBPATH = None
 
 CODES = {c.value[0]: c.name for c in grpc.StatusCode}
@@ -75,33 +78,7 @@ TINY = {
 }
 
 
-# --- protobuf wire format, by hand --------------------------------------------------------------
-
-def varint(v):
-    v &= (1 << 64) - 1
-    out = b""
-    while True:
-        b = v & 0x7F
-        v >>= 7
-        if v:
-            out += bytes([b | 0x80])
-        else:
-            return out + bytes([b])
-
-
-def pb(*fields):
-    """fields: (number, value) with int -> varint, float -> fixed64 double, bytes/str -> bytes."""
-    out = b""
-    for num, val in fields:
-        if isinstance(val, bool) or isinstance(val, int):
-            out += varint(num << 3) + varint(int(val))
-        elif isinstance(val, float):
-            out += varint(num << 3 | 1) + struct.pack("<d", val)
-        else:
-            raw = val.encode() if isinstance(val, str) else val
-            out += varint(num << 3 | 2) + varint(len(raw)) + raw
-    return out
-
+# --- protobuf wire format (writing it: tests/pbwire.py) ------------------------------------------
 
 def read_varint(buf, i):
     v, shift = 0, 0
