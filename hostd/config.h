@@ -43,9 +43,9 @@ slidedp::v1::Routes DefaultRoutes();
 struct HostdConfig {
   std::string instance = "default";                // scopes shm names: [A-Za-z0-9_-]{1,32}
   std::string socket = "/run/slidedp/hostd.sock";  // unix socket path
-  std::string listen_tcp;      // "" (off) or 127.0.0.1:PORT, [::1]:PORT, localhost:PORT
+  std::string listen_tcp;       // "" (off) or 127.0.0.1:PORT, [::1]:PORT, localhost:PORT
   std::string auth_token_file;  // required with listen_tcp (common/tcp_auth.h)
-  std::string model = "tiny";  // "tiny", "tiny-tied", a directory or a config.json (LoadModel)
+  std::string model = "tiny";   // "tiny", "tiny-tied", a directory or a config.json (LoadModel)
   uint64_t seed = 0;
   uint32_t world_size = 1;  // 1..64
   slidedp::v1::OptimizerConfig optimizer = DefaultOptimizerConfig();

@@ -405,12 +405,30 @@ total_steps = 5000
 socket = "/tmp/we\"ird\\path.sock"
 )");
   const LoadedConfig first = MustLoad(
-      {"--config",       file,         "--lr",           "0.00012345678901234567",
-       "--eps",          "1e-12",      "--seed",         "18446744073709551615",
-       "--warmup_steps", "100",        "--shm_mode",     "0660",
-       "--shm_group",    "grp",        "--chunk_bytes",  "12288",
-       "--numa_node",    "3",          "--min_lr_ratio", "0.1",
-       "--listen_tcp",   "localhost:0", "--auth_token_file", "/etc/slidedp/token"},
+      {"--config",
+       file,
+       "--lr",
+       "0.00012345678901234567",
+       "--eps",
+       "1e-12",
+       "--seed",
+       "18446744073709551615",
+       "--warmup_steps",
+       "100",
+       "--shm_mode",
+       "0660",
+       "--shm_group",
+       "grp",
+       "--chunk_bytes",
+       "12288",
+       "--numa_node",
+       "3",
+       "--min_lr_ratio",
+       "0.1",
+       "--listen_tcp",
+       "localhost:0",
+       "--auth_token_file",
+       "/etc/slidedp/token"},
       {{"SLIDEDP_CLIP", "per_layer"}, {"SLIDEDP_MAX_GRAD_NORM", "0.5"}, {"SLIDEDP_INIT", "zeros"}});
   const std::string toml = ConfigToToml(first.entries);
   EXPECT_THAT(toml, HasSubstr("# flag"));

@@ -7,8 +7,8 @@
 #include <grpcpp/grpcpp.h>
 #include <signal.h>
 #include <sys/mman.h>
-#include <time.h>
 #include <sys/stat.h>
+#include <time.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -380,9 +380,7 @@ TEST_F(EngineTest, CreateJobAndHyperParamsRefuseWhatTheConfigRefuses) {
        [](v1::JobSpec& s) { s.mutable_routes()->set_chunk_bytes((1ull << 30) + 4096); },
        "spec.routes.chunk_bytes"},
       {"param_route 99",
-       [](v1::JobSpec& s) {
-         s.mutable_routes()->set_param_route(static_cast<v1::ParamRoute>(99));
-       },
+       [](v1::JobSpec& s) { s.mutable_routes()->set_param_route(static_cast<v1::ParamRoute>(99)); },
        "spec.routes.param_route: invalid value 99"},
       {"grad_route 99",
        [](v1::JobSpec& s) { s.mutable_routes()->set_grad_route(static_cast<v1::GradRoute>(99)); },
@@ -400,8 +398,8 @@ TEST_F(EngineTest, CreateJobAndHyperParamsRefuseWhatTheConfigRefuses) {
   };
   for (const Case& c : cases) {
     grpc::Status s = create(c.mutate);
-    EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << c.what << ": "
-                                                                  << s.error_message();
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT)
+        << c.what << ": " << s.error_message();
     EXPECT_NE(s.error_message().find(c.needle), std::string::npos)
         << c.what << ": " << s.error_message();
     EXPECT_EQ(engine_->state(), nullptr) << c.what;
@@ -479,18 +477,20 @@ TEST_F(EngineTest, CallsOverTcpCarryTheServiceToken) {
   engine_ = std::move(*e);
   const std::string token(48, 'q');
   for (const char* bad : {"127.0.0.1.nip.io:0", "localhost.example:0", "0.0.0.0:0"}) {
-    auto refused = ControlServer::Start(engine_.get(), {config_.socket, bad, 0600, gid_t(-1), token});
+    auto refused =
+        ControlServer::Start(engine_.get(), {config_.socket, bad, 0600, gid_t(-1), token});
     EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument) << bad;
   }
   auto no_token = ControlServer::Start(engine_.get(), {config_.socket, "127.0.0.1:0", 0600});
   EXPECT_EQ(no_token.status().code(), absl::StatusCode::kInvalidArgument) << no_token.status();
   EXPECT_NE(no_token.status().message().find("service token"), std::string::npos);
-  auto s = ControlServer::Start(engine_.get(),
-                                {config_.socket, "127.0.0.1:0", 0600, gid_t(-1), token});
+  auto s =
+      ControlServer::Start(engine_.get(), {config_.socket, "127.0.0.1:0", 0600, gid_t(-1), token});
   ASSERT_TRUE(s.ok()) << s.status();
   server_ = std::move(*s);
   const std::string tcp = absl::StrCat("127.0.0.1:", server_->tcp_port());
-  auto over_tcp = v1::Control::NewStub(grpc::CreateChannel(tcp, grpc::InsecureChannelCredentials()));
+  auto over_tcp =
+      v1::Control::NewStub(grpc::CreateChannel(tcp, grpc::InsecureChannelCredentials()));
   auto status_with = [&](v1::Control::Stub* stub, const std::string& bearer) {
     grpc::ClientContext ctx;
     if (!bearer.empty()) ctx.AddMetadata("authorization", bearer);
@@ -525,8 +525,7 @@ TEST_F(EngineTest, CallsOverTcpCarryTheServiceToken) {
   o.manifest_hash = Hash();
   o.timeout_ms = 10000;
   auto untokened = rankclient::RankClient::Attach(o);
-  EXPECT_EQ(untokened.status().code(), absl::StatusCode::kFailedPrecondition)
-      << untokened.status();
+  EXPECT_EQ(untokened.status().code(), absl::StatusCode::kFailedPrecondition) << untokened.status();
   o.token_file = file;
   auto rank = rankclient::RankClient::Attach(o);
   ASSERT_TRUE(rank.ok()) << rank.status();
@@ -563,7 +562,8 @@ TEST_F(EngineTest, ChecksumPassDoesNotHoldTheEngineLock) {
   Start();
   const uint64_t expected = engine_->state()->LayerChecksum(0);
   void* page = engine_->state()->master(0);  // page aligned (shm::kPayloadAlign)
-  struct sigaction sa {}, old {};
+  struct sigaction sa {
+  }, old{};
   sa.sa_sigaction = StallOnFault;
   sa.sa_flags = SA_SIGINFO;
   sigemptyset(&sa.sa_mask);
@@ -629,8 +629,8 @@ TEST_F(EngineTest, FailedFinalCheckpointKeepsTheStateForTheNextHostd) {
   EXPECT_NE(stopped.message().find("final checkpoint of step 1"), std::string::npos) << stopped;
   EXPECT_NE(stopped.message().find("re-adopt"), std::string::npos) << stopped;
   engine_.reset();
-  for (auto kind : {shm::SegmentKind::kControl, shm::SegmentKind::kState,
-                    shm::SegmentKind::kParams, shm::SegmentKind::kGrads}) {
+  for (auto kind : {shm::SegmentKind::kControl, shm::SegmentKind::kState, shm::SegmentKind::kParams,
+                    shm::SegmentKind::kGrads}) {
     EXPECT_TRUE(ShmSegment::Exists(SegmentName(config_.instance, kind)))
         << SegmentName(config_.instance, kind) << " was removed";
   }
@@ -1246,7 +1246,6 @@ TEST_F(EngineTest, SecondDaemonOnSameSocketOrInstanceIsRefused) {
 constexpr shm::SegmentKind kSegmentKinds[] = {shm::SegmentKind::kControl, shm::SegmentKind::kState,
                                               shm::SegmentKind::kParams, shm::SegmentKind::kGrads};
 
-
 // Removes whatever a test left under the instance's names, whoever owns it (on any exit).
 struct ShmJanitor {
   std::string inst;
@@ -1761,7 +1760,8 @@ TEST_P(OverlapTest, StopCancelsACheckpointOfAQueuedStepThatNeverRan) {
   absl::StatusOr<v1::CheckpointResponse> asked = e.Checkpoint(v1::CheckpointRequest());
   ASSERT_TRUE(asked.ok()) << asked.status();
   ASSERT_EQ(asked->step(), 2u);
-  auto stopped = std::async(std::launch::async, [&] { e.Shutdown(/*remove_state=*/true).IgnoreError(); });
+  auto stopped =
+      std::async(std::launch::async, [&] { e.Shutdown(/*remove_state=*/true).IgnoreError(); });
   ASSERT_EQ(stopped.wait_for(std::chrono::seconds(60)), std::future_status::ready)
       << "the stop waits for a checkpoint of a step that never ran";
   absl::StatusOr<CheckpointInfo> info = FindLatestCheckpoint((run->dir / "ck").string());

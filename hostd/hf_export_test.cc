@@ -589,8 +589,7 @@ TEST(EngineOutputDirTest, RequestedDirsMustBeAbsoluteAndUnderTheRoots) {
   EXPECT_FALSE(fs::exists(tmp.path + "/outside/step-0"));
   auto in_ckpt = checkpoint(ckpt + "/extra");
   ASSERT_TRUE(in_ckpt.ok()) << in_ckpt.status();
-  EXPECT_EQ(in_ckpt->path(),
-            ckpt + "/extra/" + CheckpointDirName(0, {config.instance, "default"}));
+  EXPECT_EQ(in_ckpt->path(), ckpt + "/extra/" + CheckpointDirName(0, {config.instance, "default"}));
   slidedp::v1::ExportHFRequest ex;
   ex.set_out_dir(root + "/export");
   expect_refused(engine->ExportHF(ex).status(), absl::StatusCode::kPermissionDenied,

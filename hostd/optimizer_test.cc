@@ -268,9 +268,8 @@ TEST(UpdateWorkerTest, ClipChangeWhileAStepRunsTakesEffectWithTheNextStep) {
     std::vector<std::vector<uint16_t>> g;
     for (uint32_t l = 0; l < 2; ++l) g.push_back(RandomBf16(f.state->layers()[l].numel, 7 + l));
     auto submit = [&](uint32_t layer, uint64_t step) {
-      return f.worker->Submit(layer, step, {g[layer].data(), kernels::GradType::kBf16,
-                                            g[layer].size()},
-                              nullptr);
+      return f.worker->Submit(
+          layer, step, {g[layer].data(), kernels::GradType::kBf16, g[layer].size()}, nullptr);
     };
     ASSERT_TRUE(submit(0, 1).ok());
     if (to_global) {

@@ -64,7 +64,6 @@ struct ShmJanitor {
   }
 };
 
-
 std::string ReadFile(const std::string& path) {
   std::ifstream in(path);
   return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());

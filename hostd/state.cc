@@ -210,8 +210,8 @@ absl::Status TrainingState::Initialize(const Options& options, ThreadPool* pool)
         absl::StrCat("creating the state of instance '", inst, "' was cancelled (", phase, ")"));
   };
   RETURN_IF_ERROR(progress("allocating shared memory", 0, all_bytes, "bytes"));
-  ASSIGN_OR_RETURN(control_, make(shm::SegmentKind::kControl, control_bytes, numa_node_,
-                                  options.mlock));
+  ASSIGN_OR_RETURN(control_,
+                   make(shm::SegmentKind::kControl, control_bytes, numa_node_, options.mlock));
   control_.set_remove_on_destroy(true);
   allocated += control_bytes;
   RETURN_IF_ERROR(progress("allocating shared memory", allocated, all_bytes, "bytes"));
@@ -223,11 +223,9 @@ absl::Status TrainingState::Initialize(const Options& options, ThreadPool* pool)
   params_.set_remove_on_destroy(true);
   allocated += param_off;
   RETURN_IF_ERROR(progress("allocating shared memory", allocated, all_bytes, "bytes"));
-  ASSIGN_OR_RETURN(grads_,
-                   make(shm::SegmentKind::kGrads, grads_bytes, numa_node_, options.mlock));
+  ASSIGN_OR_RETURN(grads_, make(shm::SegmentKind::kGrads, grads_bytes, numa_node_, options.mlock));
   grads_.set_remove_on_destroy(true);
-  const char* init_phase =
-      options.import != nullptr ? "importing weights" : "initializing weights";
+  const char* init_phase = options.import != nullptr ? "importing weights" : "initializing weights";
   RETURN_IF_ERROR(progress(init_phase, 0, nl, "layers"));
 
   const uint64_t nonce = options.instance_nonce;
@@ -314,11 +312,10 @@ absl::StatusOr<std::unique_ptr<TrainingState>> TrainingState::Open(const Options
   s->grad_ring_slots_ = options.grad_ring_slots;
   s->weights_source_ = "re-adopted shared memory";
   uint64_t grads_bytes = 0;
-  if (!shm::GradSegmentBytes(s->world_size_, s->grad_ring_slots_, s->chunk_bytes_,
-                             &grads_bytes)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "a grads segment of ", s->world_size_, " x ", s->grad_ring_slots_, " slots of ",
-        s->chunk_bytes_, " bytes does not fit in 64 bits"));
+  if (!shm::GradSegmentBytes(s->world_size_, s->grad_ring_slots_, s->chunk_bytes_, &grads_bytes)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("a grads segment of ", s->world_size_, " x ", s->grad_ring_slots_,
+                     " slots of ", s->chunk_bytes_, " bytes does not fit in 64 bits"));
   }
   const uint32_t nl = s->num_layers();
   const std::string& inst = options.instance;
@@ -327,12 +324,11 @@ absl::StatusOr<std::unique_ptr<TrainingState>> TrainingState::Open(const Options
     ShmSegment* seg;
     uint64_t bytes;
   };
-  const Want wants[] = {
-      {shm::SegmentKind::kControl, &s->control_,
-       shm::ControlSegmentBytes(nl, s->world_size_, s->grad_ring_slots_)},
-      {shm::SegmentKind::kState, &s->state_, s->state_bytes_},
-      {shm::SegmentKind::kParams, &s->params_, s->param_bytes_},
-      {shm::SegmentKind::kGrads, &s->grads_, grads_bytes}};
+  const Want wants[] = {{shm::SegmentKind::kControl, &s->control_,
+                         shm::ControlSegmentBytes(nl, s->world_size_, s->grad_ring_slots_)},
+                        {shm::SegmentKind::kState, &s->state_, s->state_bytes_},
+                        {shm::SegmentKind::kParams, &s->params_, s->param_bytes_},
+                        {shm::SegmentKind::kGrads, &s->grads_, grads_bytes}};
   uint64_t nonce = 0;
   for (const Want& w : wants) {
     const std::string name = SegmentName(inst, w.kind);

@@ -164,7 +164,6 @@ struct ShmJanitor {
   }
 };
 
-
 // shm_mode 0660 with a group reaches the segments ranks map; the state segment (master, m, v) is
 // hostd's alone: 0600, hostd's own group.
 TEST(StateTest, StateSegmentIs0600AndTheOthersGetModeAndGroup) {

@@ -143,13 +143,13 @@ absl::Status RankClient::Init() {
   args.SetMaxSendMessageSize(20 << 20);
   if (!options_.tcp.empty()) {
     // Over TCP every call carries hostd's service token (common/tcp_auth.h).
-    const std::string file = !options_.token_file.empty()      ? options_.token_file
+    const std::string file = !options_.token_file.empty()            ? options_.token_file
                              : std::getenv(kTokenFileEnv) != nullptr ? std::getenv(kTokenFileEnv)
                                                                      : "";
     if (file.empty()) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "tcp: hostd's TCP listener needs its service token: set ", kTokenFileEnv,
-          " (or Options::token_file) to a copy of hostd's auth_token_file"));
+      return absl::FailedPreconditionError(
+          absl::StrCat("tcp: hostd's TCP listener needs its service token: set ", kTokenFileEnv,
+                       " (or Options::token_file) to a copy of hostd's auth_token_file"));
     }
     ASSIGN_OR_RETURN(tcp_token_, ReadServiceToken(file, /*for_server=*/false));
   }
@@ -252,29 +252,28 @@ absl::Status RankClient::Init() {
   // Every offset this rank writes or reads must lie inside what it mapped: a layout whose ring or
   // layer regions pass the end of their segment is refused here, not found by a SIGSEGV.
   uint64_t grads_need = 0;
-  if (!shm::GradSegmentBytes(layout_.world_size(), layout_.grad_ring_slots(),
-                             layout_.chunk_bytes(), &grads_need) ||
+  if (!shm::GradSegmentBytes(layout_.world_size(), layout_.grad_ring_slots(), layout_.chunk_bytes(),
+                             &grads_need) ||
       grads_need > grads_.size_bytes() || options_.rank >= layout_.world_size()) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "hostd's layout does not fit its grads segment: ", layout_.world_size(), " ranks x ",
-        layout_.grad_ring_slots(), " slots of ", layout_.chunk_bytes(), " bytes in ",
-        grads_.size_bytes(), " bytes (rank ", options_.rank, ")"));
+    return absl::FailedPreconditionError(
+        absl::StrCat("hostd's layout does not fit its grads segment: ", layout_.world_size(),
+                     " ranks x ", layout_.grad_ring_slots(), " slots of ", layout_.chunk_bytes(),
+                     " bytes in ", grads_.size_bytes(), " bytes (rank ", options_.rank, ")"));
   }
   for (const v1::LayerLayout& l : layout_.layers()) {
     if (l.param_offset_bytes() > params_.size_bytes() ||
         l.param_bytes() > params_.size_bytes() - l.param_offset_bytes()) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "hostd's layout does not fit its params segment: layer ", l.layer(), " at offset ",
-          l.param_offset_bytes(), " with ", l.param_bytes(), " bytes in ", params_.size_bytes(),
-          " bytes"));
+      return absl::FailedPreconditionError(
+          absl::StrCat("hostd's layout does not fit its params segment: layer ", l.layer(),
+                       " at offset ", l.param_offset_bytes(), " with ", l.param_bytes(),
+                       " bytes in ", params_.size_bytes(), " bytes"));
     }
   }
   if (control_.size_bytes() < shm::ControlSegmentBytes(static_cast<uint32_t>(layout_.layers_size()),
                                                        layout_.world_size(),
                                                        layout_.grad_ring_slots())) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("hostd's layout does not fit its control segment (", control_.size_bytes(),
-                     " bytes)"));
+    return absl::FailedPreconditionError(absl::StrCat(
+        "hostd's layout does not fit its control segment (", control_.size_bytes(), " bytes)"));
   }
   cb_ = control_.at<shm::ControlBlock>(shm::kControlBlockOffset);
 
