@@ -738,8 +738,6 @@ absl::Status SetFrom(const KeyDescriptor& d, HostdConfig& c, std::string_view te
 
 using WhereFn = std::function<std::string(std::string_view key)>;
 
-bool IsLoopbackListen(std::string_view addr) { return IsLoopbackHostPort(addr, true); }
-
 absl::Status Validate(const HostdConfig& c, const WhereFn& where) {
   auto fail = [&where](std::string_view key, std::string_view msg) {
     return KeyError(key, where(key), msg);
@@ -765,7 +763,7 @@ absl::Status Validate(const HostdConfig& c, const WhereFn& where) {
     return fail("socket", absl::StrCat("'", c.socket, "' must be a non-empty path of at most ",
                                        kMaxSocketPathBytes, " bytes"));
   }
-  if (!c.listen_tcp.empty() && !IsLoopbackListen(c.listen_tcp)) {
+  if (!c.listen_tcp.empty() && !IsLoopbackHostPort(c.listen_tcp, /*allow_port_zero=*/true)) {
     return fail("listen_tcp",
                 absl::StrCat("'", c.listen_tcp,
                              "' is not a loopback address; expected 127.0.0.1:PORT, [::1]:PORT or "
@@ -798,7 +796,8 @@ absl::Status Validate(const HostdConfig& c, const WhereFn& where) {
                                "' is not HOST:PORT with PORT 0..65535; expected e.g. "
                                "127.0.0.1:9464, or empty/off to disable"));
     }
-    if (!c.metrics_allow_remote && !IsLoopbackListen(c.metrics_listen)) {
+    if (!c.metrics_allow_remote &&
+        !IsLoopbackHostPort(c.metrics_listen, /*allow_port_zero=*/true)) {
       return fail("metrics.listen",
                   absl::StrCat("'", c.metrics_listen,
                                "' is not a loopback address (127.0.0.1, [::1], localhost) and the "

@@ -1,7 +1,5 @@
 #include "slidedpctl/client.h"
 
-#include <arpa/inet.h>
-#include <netinet/in.h>
 #include <sys/stat.h>
 
 #include <cerrno>
