@@ -48,8 +48,8 @@
 
 #include "absl/strings/str_cat.h"
 #include "hostd/engine.h"
-#include "hostd/job_spec.h"
-#include "hostd/manifest.h"
+#include "model/job_spec.h"
+#include "model/manifest.h"
 #include "hostd/service.h"
 #include "hostd/test_util.h"
 #include "hostd/topology.h"
@@ -524,7 +524,7 @@ class Harness {
     if (!had_job && r.resume_path().empty() && f.total() >= kSkipFrom && f.total() < kSkipTo) {
       v1::Routes defaults;
       defaults.set_chunk_bytes(kDefaultChunkBytes);
-      if (ValidateManifest(r.spec().manifest()).ok() && NormalizeJobSpec(r.spec(), defaults).ok()) {
+      if (model::ValidateManifest(r.spec().manifest()).ok() && model::NormalizeJobSpec(r.spec(), defaults).ok()) {
         if (Verbose())
           fprintf(stderr, "fuzz_rpc: CreateJob of %.3g bytes not sent\n",
                   static_cast<double>(f.total()));
@@ -551,11 +551,11 @@ class Harness {
   // spec and manifest call for.
   void CheckCreatedJob(const v1::CreateJobResponse& resp) {
     const v1::JobSpec& spec = resp.spec();
-    FUZZ_CHECK(!CheckJobId(spec.job_id()));
-    FUZZ_CHECK(!CheckWorldSize(spec.world_size()));
-    FUZZ_CHECK(!CheckRoutes(spec.routes()));
-    FUZZ_CHECK(!CheckOptimizer(spec.optimizer()));
-    FUZZ_CHECK(ValidateManifest(spec.manifest()).ok());
+    FUZZ_CHECK(!model::CheckJobId(spec.job_id()));
+    FUZZ_CHECK(!model::CheckWorldSize(spec.world_size()));
+    FUZZ_CHECK(!model::CheckRoutes(spec.routes()));
+    FUZZ_CHECK(!model::CheckOptimizer(spec.optimizer()));
+    FUZZ_CHECK(model::ValidateManifest(spec.manifest()).ok());
     const Footprint f =
         FootprintOf(spec.manifest(), spec.world_size(), spec.routes().chunk_bytes());
     FUZZ_CHECK(f.total() < kSkipFrom);
@@ -584,7 +584,7 @@ class Harness {
     absl::StatusOr<v1::UpdateHyperParamsResponse> resp = engine_->UpdateHyperParams(r);
     if (resp.ok()) {
       const v1::OptimizerConfig now = engine_->worker()->optimizer();
-      FUZZ_CHECK(!CheckOptimizer(now));
+      FUZZ_CHECK(!model::CheckOptimizer(now));
       FUZZ_CHECK(now.SerializeAsString() == resp->optimizer().SerializeAsString());
       // What was asked is what was applied: a named field is a value, not "unset".
       for (const std::string& f : r.fields()) {

@@ -1,4 +1,4 @@
-// libFuzzer target: the safetensors reader (hostd/safetensors.h), which treats every checkpoint
+// libFuzzer target: the safetensors reader (model/safetensors.h), which treats every checkpoint
 // as hostile input.
 //
 // Byte 0 picks the entry point; the rest is its input:
@@ -25,7 +25,7 @@
 #include <string_view>
 #include <vector>
 
-#include "hostd/safetensors.h"
+#include "model/safetensors.h"
 
 namespace slidedp::hostd {
 namespace {
@@ -57,10 +57,10 @@ void WriteFile(const std::string& path, std::string_view bytes) {
 }
 
 // The reader's contract for an accepted header.
-void CheckHeader(const SafetensorsHeader& h) {
+void CheckHeader(const model::SafetensorsHeader& h) {
   std::vector<std::pair<uint64_t, uint64_t>> ranges;
   for (const auto& [name, t] : h.tensors) {
-    FUZZ_CHECK(t.shape.size() <= kSafetensorsMaxDims);
+    FUZZ_CHECK(t.shape.size() <= model::kSafetensorsMaxDims);
     uint64_t numel = 1;
     for (uint64_t d : t.shape) {
       FUZZ_CHECK(d == 0 || numel <= UINT64_MAX / d);
@@ -68,8 +68,8 @@ void CheckHeader(const SafetensorsHeader& h) {
     }
     FUZZ_CHECK(numel == t.numel);
     FUZZ_CHECK(t.begin <= t.end && t.end <= h.data_bytes);
-    FUZZ_CHECK(numel <= UINT64_MAX / SafetensorsDtypeBytes(t.dtype));
-    FUZZ_CHECK(t.end - t.begin == numel * SafetensorsDtypeBytes(t.dtype));
+    FUZZ_CHECK(numel <= UINT64_MAX / model::SafetensorsDtypeBytes(t.dtype));
+    FUZZ_CHECK(t.end - t.begin == numel * model::SafetensorsDtypeBytes(t.dtype));
     if (t.end > t.begin) ranges.emplace_back(t.begin, t.end);
   }
   std::sort(ranges.begin(), ranges.end());
@@ -77,17 +77,17 @@ void CheckHeader(const SafetensorsHeader& h) {
 }
 
 void FuzzFile(std::string_view bytes) {
-  absl::StatusOr<SafetensorsHeader> parsed = ParseSafetensorsFile(bytes);
+  absl::StatusOr<model::SafetensorsHeader> parsed = model::ParseSafetensorsFile(bytes);
   if (parsed.ok()) {
     CheckHeader(*parsed);
     FUZZ_CHECK(parsed->data_offset + parsed->data_bytes == bytes.size());
   }
   const std::string path = Dir() + "/one.safetensors";
   WriteFile(path, bytes);
-  absl::StatusOr<std::unique_ptr<SafetensorsFile>> file = SafetensorsFile::Open(path);
+  absl::StatusOr<std::unique_ptr<model::SafetensorsFile>> file = model::SafetensorsFile::Open(path);
   FUZZ_CHECK(file.ok() == parsed.ok());
   if (!file.ok()) return;
-  const SafetensorsHeader& h = (*file)->header();
+  const model::SafetensorsHeader& h = (*file)->header();
   FUZZ_CHECK(h.tensors.size() == parsed->tensors.size());
   std::vector<uint8_t> buf;
   std::vector<float> widened;
@@ -101,7 +101,7 @@ void FuzzFile(std::string_view bytes) {
     // One byte past the tensor is OUT_OF_RANGE, never a read of the next tensor.
     FUZZ_CHECK((*file)->Read(t, n, buf.data(), 1).code() == absl::StatusCode::kOutOfRange);
     widened.resize(t.numel);
-    WidenToFp32(t.dtype, buf.data(), widened.data(), t.numel);
+    model::WidenToFp32(t.dtype, buf.data(), widened.data(), t.numel);
   }
 }
 
@@ -116,15 +116,15 @@ void FuzzCheckpoint(std::string_view rest) {
   std::filesystem::remove(dir + "/model.safetensors");
   WriteFile(dir + "/model.safetensors.index.json", index);
   WriteFile(dir + "/a.safetensors", shard);
-  absl::StatusOr<std::unique_ptr<SafetensorsCheckpoint>> ckpt = SafetensorsCheckpoint::Open(dir);
+  absl::StatusOr<std::unique_ptr<model::SafetensorsCheckpoint>> ckpt = model::SafetensorsCheckpoint::Open(dir);
   if (!ckpt.ok()) return;
   absl::StatusOr<std::map<std::string, std::string, std::less<>>> map =
-      ParseSafetensorsIndex(index);
+      model::ParseSafetensorsIndex(index);
   FUZZ_CHECK(map.ok());
   // Every weight_map entry resolves to its tensor in the shard it names (shards may hold more).
   FUZZ_CHECK((*ckpt)->tensors().size() >= map->size());
   for (const auto& [name, shard] : *map) {
-    const SafetensorsCheckpoint::Entry* entry = (*ckpt)->Find(name);
+    const model::SafetensorsCheckpoint::Entry* entry = (*ckpt)->Find(name);
     FUZZ_CHECK(entry != nullptr && entry->file != nullptr && entry->tensor != nullptr);
     FUZZ_CHECK(std::filesystem::path(entry->file->path()).filename() == shard);
     FUZZ_CHECK(entry->file->Find(name) == entry->tensor);
@@ -144,7 +144,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       FuzzFile(rest);
       break;
     case 1: {
-      auto map = ParseSafetensorsIndex(rest);
+      auto map = model::ParseSafetensorsIndex(rest);
       if (map.ok()) {
         for (const auto& [name, file] : *map) {
           FUZZ_CHECK(!file.empty() && file.find('/') == std::string::npos && file != "." &&
@@ -160,7 +160,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       if (rest.size() < 8) return 0;
       uint64_t data_bytes;
       std::memcpy(&data_bytes, rest.data(), 8);
-      auto h = ParseSafetensorsHeader(rest.substr(8), data_bytes);
+      auto h = model::ParseSafetensorsHeader(rest.substr(8), data_bytes);
       if (h.ok()) {
         FUZZ_CHECK(h->data_bytes == data_bytes);
         CheckHeader(*h);

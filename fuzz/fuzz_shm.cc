@@ -56,8 +56,8 @@ ThreadPool* Pool() {
   return pool;
 }
 
-LoadedModel FuzzModel() {
-  LoadedModel m = testing::SmallModel();  // layers of 9970 and 15000 elements
+model::LoadedModel FuzzModel() {
+  model::LoadedModel m = testing::SmallModel();  // layers of 9970 and 15000 elements
   auto* l2 = m.manifest.add_layers();     // and one of 50: empty shards with 2 ranks
   l2->set_name("tiny");
   l2->set_kind(v1::LAYER_KIND_DECODER);
@@ -126,7 +126,7 @@ class Harness {
     cfg.set_grad_dtype(type_ == kernels::GradType::kFp32 ? v1::DTYPE_FP32 : v1::DTYPE_BF16);
     worker_ = std::make_unique<UpdateWorker>(state_.get(), Pool(),
                                              UpdateWorker::Options{kernels::Isa::kScalar, 8192},
-                                             *NormalizeOptimizerConfig(cfg));
+                                             *model::NormalizeOptimizerConfig(cfg));
     GradientReducer::Options ro;
     ro.grad_type = type_;
     ro.granularity = granularity;
@@ -205,12 +205,12 @@ class Harness {
   }
 
  private:
-  uint64_t LayerNumel(uint32_t l) const { return state_->layers()[l].numel; }
+  uint64_t model::LayerNumel(uint32_t l) const { return state_->layers()[l].numel; }
   // The range this rank pushes of layer `l`: the whole layer (sum), its shard, or nothing.
   shm::ShardRange Range(const FakeRank& fr, uint32_t l) const {
     if (fr.part < 0) return {0, 0};
-    if (sum_) return {0, LayerNumel(l)};
-    return shm::ShardOf(LayerNumel(l), parts_, static_cast<uint32_t>(fr.part));
+    if (sum_) return {0, model::LayerNumel(l)};
+    return shm::ShardOf(model::LayerNumel(l), parts_, static_cast<uint32_t>(fr.part));
   }
   // Skips layers where the rank has nothing to push; false when the step is all pushed.
   bool Settle(FakeRank& fr) const {

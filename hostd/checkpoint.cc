@@ -16,8 +16,8 @@
 #include "absl/strings/str_join.h"
 #include "common/status_macros.h"
 #include "common/thread_pool.h"
-#include "hostd/manifest.h"
 #include "kernels/cpu/adamw.h"
+#include "model/manifest.h"
 #include "spdlog/spdlog.h"
 
 namespace slidedp::hostd {
@@ -60,11 +60,11 @@ absl::Status ReadExact(int fd, void* dst, size_t n, const std::string& path, XXH
 // Says which newer step directories of `dir` were passed over for `found` and why (an
 // interrupted write is expected after a crash; a marked one that fails its checks is not).
 // `consider`: which listings are candidates at all.
-void LogSkipped(const std::string& dir, const CheckpointInfo& found,
-                const std::function<bool(const CheckpointListing&)>& consider) {
-  absl::StatusOr<std::vector<CheckpointListing>> all = ListCheckpoints(dir, false);
+void LogSkipped(const std::string& dir, const model::CheckpointInfo& found,
+                const std::function<bool(const model::CheckpointListing&)>& consider) {
+  absl::StatusOr<std::vector<model::CheckpointListing>> all = model::ListCheckpoints(dir, false);
   if (!all.ok()) return;
-  for (const CheckpointListing& l : *all) {  // newest first
+  for (const model::CheckpointListing& l : *all) {  // newest first
     if (l.path == found.path || l.step < found.step) break;
     if (!l.valid && consider(l)) {
       spdlog::warn("checkpoint {}: newer than {} but skipped: {}", l.path, found.path, l.reason);
@@ -74,26 +74,27 @@ void LogSkipped(const std::string& dir, const CheckpointInfo& found,
 
 }  // namespace
 
-absl::StatusOr<CheckpointInfo> FindLatestCheckpoint(const std::string& path) {
-  absl::StatusOr<CheckpointInfo> info = FindLatestCheckpointInfo(path);
+absl::StatusOr<model::CheckpointInfo> FindLatestCheckpoint(const std::string& path) {
+  absl::StatusOr<model::CheckpointInfo> info = model::FindLatestCheckpointInfo(path);
   if (!info.ok() || info->path == path) return info;
-  LogSkipped(path, *info, [](const CheckpointListing&) { return true; });
+  LogSkipped(path, *info, [](const model::CheckpointListing&) { return true; });
   return info;
 }
 
-absl::StatusOr<CheckpointInfo> FindLatestCheckpoint(const std::string& dir,
-                                                    const CheckpointScope& scope) {
-  absl::StatusOr<CheckpointInfo> info = FindLatestCheckpointInfo(dir, scope);
+absl::StatusOr<model::CheckpointInfo> FindLatestCheckpoint(const std::string& dir,
+                                                           const model::CheckpointScope& scope) {
+  absl::StatusOr<model::CheckpointInfo> info = model::FindLatestCheckpointInfo(dir, scope);
   if (!info.ok()) return info;
-  const std::string mine = CheckpointScopeName(scope);
-  LogSkipped(dir, *info, [&mine](const CheckpointListing& l) { return l.scope_name == mine; });
+  const std::string mine = model::CheckpointScopeName(scope);
+  LogSkipped(dir, *info,
+             [&mine](const model::CheckpointListing& l) { return l.scope_name == mine; });
   return info;
 }
 
-absl::Status CheckCheckpointManifest(const CheckpointInfo& info,
+absl::Status CheckCheckpointManifest(const model::CheckpointInfo& info,
                                      const slidedp::v1::ModelManifest& manifest) {
-  const std::string have = ManifestHashHex(ManifestHash(manifest));
-  const std::string want = ManifestHashHex(ManifestHash(info.spec.manifest()));
+  const std::string have = model::ManifestHashHex(model::ManifestHash(manifest));
+  const std::string want = model::ManifestHashHex(model::ManifestHash(info.spec.manifest()));
   if (have == want && info.manifest_hash == want) return absl::OkStatus();
   const auto& a = info.spec.manifest();
   std::string diff;
@@ -133,14 +134,15 @@ absl::Status CheckCheckpointManifest(const CheckpointInfo& info,
       "), but the job's model has manifest ", have, " (", manifest.name(), "); ", diff));
 }
 
-absl::Status RestoreCheckpoint(const CheckpointInfo& info, TrainingState* state, ThreadPool* pool,
+absl::Status RestoreCheckpoint(const model::CheckpointInfo& info, TrainingState* state,
+                               ThreadPool* pool,
                                const std::function<bool(uint32_t layers_done)>& progress) {
   RETURN_IF_ERROR(CheckCheckpointManifest(info, state->model().manifest));
   if (info.files.size() != state->num_layers()) {
     return absl::DataLossError(absl::StrCat("checkpoint ", info.path, ": ", info.files.size(),
                                             " layer files for ", state->num_layers(), " layers"));
   }
-  for (const CheckpointFile& f : info.files) {
+  for (const model::CheckpointFile& f : info.files) {
     if (f.numel != state->layers()[f.layer].numel) {
       return absl::DataLossError(absl::StrCat("checkpoint ", info.path, ": layer file ", f.name,
                                               " holds ", f.numel, " elements, layer ", f.layer,
@@ -149,16 +151,16 @@ absl::Status RestoreCheckpoint(const CheckpointInfo& info, TrainingState* state,
   }
   const kernels::Isa isa = kernels::BestIsa();
   uint32_t restored = 0;
-  for (const CheckpointFile& f : info.files) {
+  for (const model::CheckpointFile& f : info.files) {
     const std::string path = (fs::path(info.path) / f.name).string();
     const int fd = open(path.c_str(), O_RDONLY | O_CLOEXEC);
     if (fd < 0) return ErrnoStatus("open " + path);
     XXH3_state_t* st = XXH3_createState();
     XXH3_64bits_reset(st);
-    LayerFileHeader h{};
+    model::LayerFileHeader h{};
     absl::Status s = ReadExact(fd, &h, sizeof(h), path, st);
     // The rest of the header block (zeros; hashed like every byte of the file).
-    std::vector<char> pad(LayerDataOffset(info.format) - sizeof(h));
+    std::vector<char> pad(model::LayerDataOffset(info.format) - sizeof(h));
     if (s.ok() && !pad.empty()) s = ReadExact(fd, pad.data(), pad.size(), path, st);
     const uint32_t l = f.layer;
     for (float* dst : {state->master(l), state->exp_avg(l), state->exp_avg_sq(l)}) {
@@ -177,7 +179,7 @@ absl::Status RestoreCheckpoint(const CheckpointInfo& info, TrainingState* state,
           "checkpoint %s: layer file %s has checksum %016x, meta.json says %016x (corrupted)",
           info.path, f.name, hash, f.xxh64));
     }
-    if (std::memcmp(h.magic, kLayerFileMagic, sizeof(h.magic)) != 0 || h.layer != l ||
+    if (std::memcmp(h.magic, model::kLayerFileMagic, sizeof(h.magic)) != 0 || h.layer != l ||
         h.numel != f.numel || h.step != info.step || h.format != info.format) {
       return absl::DataLossError(absl::StrCat("checkpoint ", info.path, ": layer file ", f.name,
                                               " has a header that does not match meta.json"));
@@ -224,7 +226,7 @@ Checkpointer::~Checkpointer() {
   if (preparer_.joinable()) preparer_.join();  // stops after its current buffer
 }
 
-absl::Status Checkpointer::Start(const std::string& dir, uint64_t step, CheckpointInfo info,
+absl::Status Checkpointer::Start(const std::string& dir, uint64_t step, model::CheckpointInfo info,
                                  const std::vector<uint32_t>& awaiting_client) {
   std::lock_guard<std::mutex> lock(mu_);
   if (stop_) return absl::UnavailableError("the checkpointer is stopping");
@@ -244,10 +246,10 @@ absl::Status Checkpointer::Start(const std::string& dir, uint64_t step, Checkpoi
     return absl::InvalidArgumentError(
         absl::StrCat("checkpoint of step ", step, ": the job id is empty"));
   }
-  const CheckpointScope scope{options_.instance, info.job_id};
-  const fs::path final_path = fs::path(dir) / CheckpointDirName(step, scope);
+  const model::CheckpointScope scope{options_.instance, info.job_id};
+  const fs::path final_path = fs::path(dir) / model::CheckpointDirName(step, scope);
   std::error_code ec;
-  if (fs::exists(final_path / kCheckpointMarker, ec)) {
+  if (fs::exists(final_path / model::kCheckpointMarker, ec)) {
     return absl::AlreadyExistsError(
         absl::StrCat("checkpoint of step ", step, " already exists: ", final_path.string()));
   }
@@ -627,14 +629,14 @@ void Checkpointer::Run() {
 void Checkpointer::RunCheckpoint(std::unique_lock<std::mutex>& lock) {
   const uint64_t step = step_;
   const std::string dir = dir_;
-  const CheckpointScope scope = scope_;
+  const model::CheckpointScope scope = scope_;
   const uint32_t num_layers = static_cast<uint32_t>(layers_.size());
   stats_.last_stall_max_layer_wait_us = 0;
   lock.unlock();
   absl::Status status;
-  std::unique_ptr<CheckpointDirWriter> writer;
+  std::unique_ptr<model::CheckpointDirWriter> writer;
   {
-    auto begun = CheckpointDirWriter::Begin(dir, step, scope, options_.writer);
+    auto begun = model::CheckpointDirWriter::Begin(dir, step, scope, options_.writer);
     if (begun.ok()) {
       writer = std::move(*begun);
     } else {
@@ -648,7 +650,7 @@ void Checkpointer::RunCheckpoint(std::unique_lock<std::mutex>& lock) {
   // update waiting for a layer, Unpace and Cancel lift it at once.
   double paced_s = 0;
   Clock::time_point due = Clock::now();
-  LayerWrite paced;
+  model::LayerWrite paced;
   paced.direct = options_.direct_io;
   if (options_.max_write_bytes_per_s > 0) {
     paced.after_piece = [&](uint64_t bytes) {
@@ -790,7 +792,7 @@ void Checkpointer::RunCheckpoint(std::unique_lock<std::mutex>& lock) {
     cv_.notify_all();
   }
   // From here no update needs to wait: release them before the (slow) commit fsyncs.
-  CheckpointInfo info = std::move(info_);
+  model::CheckpointInfo info = std::move(info_);
   // active_ stays true until the result is recorded (Wait, Start); every layer is marked done,
   // so updates pass the hook untouched meanwhile.
   for (auto& s : layers_) s = LayerState::kDone;
@@ -801,11 +803,11 @@ void Checkpointer::RunCheckpoint(std::unique_lock<std::mutex>& lock) {
   lock.unlock();
   // A checkpoint failed by an update's timeout (FailInFlightLocked) has its cancel reason set
   // while a layer was still busy, so the loop above saw it: it never commits.
-  absl::StatusOr<CheckpointInfo> committed =
-      status.ok() ? writer->Commit(std::move(info)) : absl::StatusOr<CheckpointInfo>(status);
+  absl::StatusOr<model::CheckpointInfo> committed =
+      status.ok() ? writer->Commit(std::move(info)) : absl::StatusOr<model::CheckpointInfo>(status);
   std::vector<std::string> pruned;
   if (committed.ok() && options_.keep_last > 0) {
-    auto p = PruneCheckpoints(dir, options_.keep_last, step, scope);
+    auto p = model::PruneCheckpoints(dir, options_.keep_last, step, scope);
     if (p.ok()) {
       pruned = std::move(*p);
     } else {

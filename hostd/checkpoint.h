@@ -48,8 +48,8 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "hostd/checkpoint_format.h"
 #include "hostd/state.h"
+#include "model/checkpoint_format.h"
 
 namespace slidedp {
 class ThreadPool;
@@ -62,16 +62,16 @@ namespace slidedp::hostd {
 // INVALID_ARGUMENT listing them when it holds several jobs'); marker, meta.json and file sizes
 // are checked, the data is not (RestoreCheckpoint checks it as it reads). NOT_FOUND /
 // DATA_LOSS / INVALID_ARGUMENT naming the file. Logs the newer step directories skipped.
-absl::StatusOr<CheckpointInfo> FindLatestCheckpoint(const std::string& path);
+absl::StatusOr<model::CheckpointInfo> FindLatestCheckpoint(const std::string& path);
 // hostd's own pick (recovery after a crash): the newest committed checkpoint of `scope` in the
 // checkpoint directory `dir`, never another instance's or job's nor an unscoped (format 1-2)
 // one. NOT_FOUND when there is none.
-absl::StatusOr<CheckpointInfo> FindLatestCheckpoint(const std::string& dir,
-                                                    const CheckpointScope& scope);
+absl::StatusOr<model::CheckpointInfo> FindLatestCheckpoint(const std::string& dir,
+                                                           const model::CheckpointScope& scope);
 
 // FAILED_PRECONDITION when `manifest` is not the checkpoint's model: names both manifest hashes
 // and the first differing layer or tensor (name, shape).
-absl::Status CheckCheckpointManifest(const CheckpointInfo& info,
+absl::Status CheckCheckpointManifest(const model::CheckpointInfo& info,
                                      const slidedp::v1::ModelManifest& manifest);
 
 // Loads the checkpoint into `state`, which must have been created for the checkpoint's manifest
@@ -83,7 +83,8 @@ absl::Status CheckCheckpointManifest(const CheckpointInfo& info,
 // discard the state (hostd does, and no job is created).
 // `progress(layers_done)`, when given, is called after each layer; false stops the restore
 // (CANCELLED).
-absl::Status RestoreCheckpoint(const CheckpointInfo& info, TrainingState* state, ThreadPool* pool,
+absl::Status RestoreCheckpoint(const model::CheckpointInfo& info, TrainingState* state,
+                               ThreadPool* pool,
                                const std::function<bool(uint32_t layers_done)>& progress = nullptr);
 
 struct CheckpointStats {
@@ -152,7 +153,7 @@ class Checkpointer {
     int64_t capture_timeout_ms = 300000;
     // Passed to each checkpoint's CheckpointDirWriter (tests: a trace that blocks stands in
     // for a hung disk).
-    CheckpointDirWriter::Options writer;
+    model::CheckpointDirWriter::Options writer;
   };
   // `state` and `pool` must outlive the checkpointer; `pool` is used only inside
   // BeforeLayerWrite (on the update worker's thread).
@@ -172,7 +173,7 @@ class Checkpointer {
   // hostd's copy yet; they are captured only after ClientLayerReady (the ranks' upload), and the
   // checkpoint fails (DEADLINE_EXCEEDED naming them) when that does not come within
   // options.client_upload_timeout_ms.
-  absl::Status Start(const std::string& dir, uint64_t step, CheckpointInfo info,
+  absl::Status Start(const std::string& dir, uint64_t step, model::CheckpointInfo info,
                      const std::vector<uint32_t>& awaiting_client = {});
   // Blocks until the checkpoint of `step` has committed or failed (or `timeout_ms` passed:
   // DEADLINE_EXCEEDED). NOT_FOUND when no checkpoint of `step` was started.
@@ -258,8 +259,8 @@ class Checkpointer {
   bool preparing_ = false;  // the preparer thread runs
   uint64_t step_ = 0;
   std::string dir_;
-  CheckpointScope scope_;
-  CheckpointInfo info_;
+  model::CheckpointScope scope_;
+  model::CheckpointInfo info_;
   std::string cancel_reason_;
   // The checkpoint in flight has failed (FailInFlightLocked) while its writer still runs.
   bool failed_ = false;

@@ -46,7 +46,7 @@ v1::OptimizerConfig Cfg() {
   c.set_beta2(0.999);
   c.set_eps(1e-8);
   c.set_weight_decay(0.1);
-  return *NormalizeOptimizerConfig(c);
+  return *model::NormalizeOptimizerConfig(c);
 }
 
 std::string ReadFile(const fs::path& path) {
@@ -58,17 +58,17 @@ std::string ReadFile(const fs::path& path) {
 // headers' format (and format 1's data right after the 64-byte header), meta.json without an
 // instance, the marker, and the unscoped directory name step-<t>. Returns the new path.
 std::string AsOldFormat(const std::string& path, uint32_t format) {
-  auto info = ReadCheckpointInfo(path);
+  auto info = model::ReadCheckpointInfo(path);
   EXPECT_TRUE(info.ok()) << info.status();
   if (!info.ok()) return path;
   nlohmann::json meta = nlohmann::json::parse(ReadFile(fs::path(path) / "meta.json"));
   for (size_t i = 0; i < info->files.size(); ++i) {
     const fs::path file = fs::path(path) / info->files[i].name;
     const std::string bytes = ReadFile(file);
-    LayerFileHeader h{};
+    model::LayerFileHeader h{};
     std::memcpy(&h, bytes.data(), sizeof(h));
     h.format = format;
-    std::string head(LayerDataOffset(format), '\0');
+    std::string head(model::LayerDataOffset(format), '\0');
     std::memcpy(head.data(), &h, sizeof(h));
     const std::string out = head + bytes.substr(4096);
     std::ofstream(file, std::ios::binary | std::ios::trunc) << out;
@@ -83,7 +83,7 @@ std::string AsOldFormat(const std::string& path, uint32_t format) {
       << absl::StrFormat("slidedp-checkpoint %u step %u meta_xxh64 %016x\n", format, info->step,
                          XXH3_64bits(text.data(), text.size()));
   const std::string legacy =
-      (fs::path(path).parent_path() / CheckpointDirName(info->step)).string();
+      (fs::path(path).parent_path() / model::CheckpointDirName(info->step)).string();
   fs::rename(path, legacy);
   return legacy;
 }
@@ -101,7 +101,7 @@ class CheckpointTest : public ::testing::Test {
     TrainingState::Options o;
     o.instance = UniqueInstance("ck");
     o.model = SmallModel();
-    o.model.manifest.set_manifest_hash(ManifestHashHex(ManifestHash(o.model.manifest)));
+    o.model.manifest.set_manifest_hash(model::ManifestHashHex(model::ManifestHash(o.model.manifest)));
     o.seed = seed;
     o.mlock = MlockPolicy::kOff;
     auto s = std::move(*TrainingState::Create(o, pool_.get()));
@@ -109,10 +109,10 @@ class CheckpointTest : public ::testing::Test {
     return s;
   }
 
-  CheckpointInfo Describe(const TrainingState& s) {
-    CheckpointInfo info;
+  model::CheckpointInfo Describe(const TrainingState& s) {
+    model::CheckpointInfo info;
     info.job_id = "default";
-    info.manifest_hash = ManifestHashHex(s.manifest_hash());
+    info.manifest_hash = model::ManifestHashHex(s.manifest_hash());
     *info.spec.mutable_manifest() = s.model().manifest;
     *info.spec.mutable_optimizer() = Cfg();
     info.spec.set_world_size(1);
@@ -143,7 +143,7 @@ class CheckpointTest : public ::testing::Test {
   }
 
   // The name of a checkpoint the fixture's checkpointers write (instance and job "default").
-  static std::string Name(uint64_t step) { return CheckpointDirName(step, {"default", "default"}); }
+  static std::string Name(uint64_t step) { return model::CheckpointDirName(step, {"default", "default"}); }
 
   fs::path dir_;
   std::unique_ptr<ThreadPool> pool_;
@@ -176,7 +176,7 @@ TEST_F(CheckpointTest, ConsistentWhileTrainingAndRestores) {
     auto info = FindLatestCheckpoint(sub);
     ASSERT_TRUE(info.ok()) << info.status();
     EXPECT_EQ(info->step, 3u);
-    ASSERT_TRUE(VerifyCheckpointData(*info).ok());
+    ASSERT_TRUE(model::VerifyCheckpointData(*info).ok());
     auto restored = NewState(99);
     ASSERT_NE(restored->LayerChecksum(0), at_t[0]);
     ASSERT_TRUE(RestoreCheckpoint(*info, restored.get(), pool_.get()).ok());
@@ -326,7 +326,7 @@ TEST_F(CheckpointTest, NoMemoryForSnapshotsWritesLiveAndCommits) {
     t->add_shape(4096);
     t->add_shape(4096);
     t->set_dtype(v1::DTYPE_BF16);
-    so.model.manifest.set_manifest_hash(ManifestHashHex(ManifestHash(so.model.manifest)));
+    so.model.manifest.set_manifest_hash(model::ManifestHashHex(model::ManifestHash(so.model.manifest)));
     so.seed = seed;
     so.mlock = MlockPolicy::kOff;
     auto created = TrainingState::Create(so, pool_.get());
@@ -402,7 +402,7 @@ TEST_F(CheckpointTest, IgnoresTmpAndUnmarkedDirectoriesAndPicksNewestValid) {
   auto info = FindLatestCheckpoint(dir_.string());
   ASSERT_TRUE(info.ok()) << info.status();
   EXPECT_EQ(info->step, 0u);
-  auto list = ListCheckpoints(dir_.string(), true);
+  auto list = model::ListCheckpoints(dir_.string(), true);
   ASSERT_TRUE(list.ok());
   ASSERT_EQ(list->size(), 3u);
   EXPECT_TRUE((*list)[0].temporary);
@@ -457,7 +457,7 @@ TEST_F(CheckpointTest, FlippedByteFailsTheChecksumNamingTheFile) {
   }
   auto info = FindLatestCheckpoint(dir_.string());
   ASSERT_TRUE(info.ok());  // sizes and marker are fine: the data is not
-  absl::Status v = VerifyCheckpointData(*info);
+  absl::Status v = model::VerifyCheckpointData(*info);
   EXPECT_TRUE(absl::IsDataLoss(v)) << v;
   EXPECT_NE(v.message().find("layer-00001.bin"), std::string::npos) << v;
   auto other = NewState(5);
@@ -467,13 +467,13 @@ TEST_F(CheckpointTest, FlippedByteFailsTheChecksumNamingTheFile) {
 
   // A truncated file is caught by the cheap check, naming the file.
   fs::resize_file(file, fs::file_size(file) - 4);
-  auto t = ReadCheckpointInfo(r->path);
+  auto t = model::ReadCheckpointInfo(r->path);
   EXPECT_TRUE(absl::IsDataLoss(t.status())) << t.status();
   EXPECT_NE(t.status().message().find("layer-00001.bin"), std::string::npos);
   EXPECT_NE(t.status().message().find("truncated"), std::string::npos);
   // A corrupted meta.json no longer matches its marker.
   { std::ofstream(fs::path(r->path) / "meta.json", std::ios::app) << " "; }
-  auto m = ReadCheckpointInfo(r->path);
+  auto m = model::ReadCheckpointInfo(r->path);
   EXPECT_TRUE(absl::IsDataLoss(m.status())) << m.status();
   EXPECT_NE(m.status().message().find("meta.json"), std::string::npos);
 }
@@ -527,17 +527,17 @@ TEST_F(CheckpointTest, Format2DataOnABlockBoundaryAndFormat1StillRestores) {
   std::vector<uint64_t> sums;
   for (uint32_t l = 0; l < state->num_layers(); ++l) sums.push_back(state->LayerChecksum(l));
 
-  auto info = ReadCheckpointInfo(r->path);
+  auto info = model::ReadCheckpointInfo(r->path);
   ASSERT_TRUE(info.ok()) << info.status();
   EXPECT_EQ(info->format, 3u);
   const nlohmann::json meta = nlohmann::json::parse(std::ifstream(fs::path(r->path) / "meta.json"));
   for (size_t i = 0; i < info->files.size(); ++i) {
-    const CheckpointFile& f = info->files[i];
+    const model::CheckpointFile& f = info->files[i];
     const fs::path path = fs::path(r->path) / f.name;
     ASSERT_EQ(fs::file_size(path), 4096 + 12 * f.numel) << f.name;
     std::ifstream in(path, std::ios::binary);
     std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-    LayerFileHeader h{};
+    model::LayerFileHeader h{};
     std::memcpy(&h, bytes.data(), sizeof(h));
     EXPECT_EQ(h.format, 3u);
     EXPECT_GE(bytes.find_first_not_of('\0', sizeof(h)), size_t{4096}) << f.name;  // zeros
@@ -545,10 +545,10 @@ TEST_F(CheckpointTest, Format2DataOnABlockBoundaryAndFormat1StillRestores) {
   EXPECT_EQ(meta["instance"], "default");
   r->path = AsOldFormat(r->path, 1);
 
-  auto old = ReadCheckpointInfo(r->path);
+  auto old = model::ReadCheckpointInfo(r->path);
   ASSERT_TRUE(old.ok()) << old.status();
   EXPECT_EQ(old->format, 1u);
-  ASSERT_TRUE(VerifyCheckpointData(*old).ok());
+  ASSERT_TRUE(model::VerifyCheckpointData(*old).ok());
   auto restored = NewState(42);
   ASSERT_NE(restored->LayerChecksum(0), sums[0]);
   ASSERT_TRUE(RestoreCheckpoint(*old, restored.get(), pool_.get()).ok());
@@ -561,7 +561,7 @@ TEST_F(CheckpointTest, Format2DataOnABlockBoundaryAndFormat1StillRestores) {
                          std::istreambuf_iterator<char>());
   std::ofstream(fs::path(r->path) / "COMMITTED", std::ios::trunc) << absl::StrFormat(
       "slidedp-checkpoint 4 step 0 meta_xxh64 %016x\n", XXH3_64bits(text.data(), text.size()));
-  auto future = ReadCheckpointInfo(r->path);
+  auto future = model::ReadCheckpointInfo(r->path);
   EXPECT_TRUE(absl::IsInvalidArgument(future.status())) << future.status();
   EXPECT_NE(future.status().message().find("format version 4"), std::string::npos);
 }
@@ -645,7 +645,7 @@ TEST_F(CheckpointTest, FailedWriteKeepsThePreviousCheckpointAndTheState) {
     auto latest = FindLatestCheckpoint(sub.string());
     ASSERT_TRUE(latest.ok()) << latest.status();
     EXPECT_EQ(latest->step, 0u);
-    ASSERT_TRUE(VerifyCheckpointData(*latest).ok());
+    ASSERT_TRUE(model::VerifyCheckpointData(*latest).ok());
 
     ASSERT_TRUE(cp.Start(sub.string(), 1, Describe(*state)).ok());
     auto r = cp.Wait(1, 60000);
@@ -763,7 +763,7 @@ TEST_F(CheckpointTest, HungWriteFailsTheCheckpointAfterCaptureTimeoutAndTheUpdat
   auto latest = FindLatestCheckpoint(dir_.string());
   ASSERT_TRUE(latest.ok()) << latest.status();
   EXPECT_EQ(latest->step, 0u);
-  EXPECT_TRUE(VerifyCheckpointData(*latest).ok());
+  EXPECT_TRUE(model::VerifyCheckpointData(*latest).ok());
   logger->flush();
   const std::string text = log.str();
   const std::string line = "checkpoint of step 1 failed";
@@ -788,7 +788,7 @@ TEST_F(CheckpointTest, InstancesAndJobsSharingADirectoryKeepToTheirOwn) {
   Checkpointer ca(a.get(), pool_.get(), {.instance = "ia", .keep_last = 2});
   Checkpointer cb(b.get(), pool_.get(), {.instance = "ib", .keep_last = 2});
   Checkpointer cj(a.get(), pool_.get(), {.instance = "ia", .keep_last = 2});
-  CheckpointInfo other_job = Describe(*a);
+  model::CheckpointInfo other_job = Describe(*a);
   other_job.job_id = "job-2";
   const std::string dir = dir_.string();
   std::vector<uint64_t> sums_a;
@@ -809,23 +809,23 @@ TEST_F(CheckpointTest, InstancesAndJobsSharingADirectoryKeepToTheirOwn) {
   for (uint32_t l = 0; l < a->num_layers(); ++l) sums_a.push_back(a->LayerChecksum(l));
   ASSERT_TRUE(cj.Start(dir, 4, other_job).ok());
   ASSERT_TRUE(cj.Wait(4, 60000).ok());
-  const CheckpointScope ia{"ia", "default"}, ib{"ib", "default"}, ij{"ia", "job-2"};
+  const model::CheckpointScope ia{"ia", "default"}, ib{"ib", "default"}, ij{"ia", "job-2"};
   auto names = [&] {
     std::set<std::string> n;
     for (const auto& e : fs::directory_iterator(dir_)) n.insert(e.path().filename().string());
     return n;
   };
-  EXPECT_EQ(names(), (std::set<std::string>{CheckpointDirName(3, ia), CheckpointDirName(4, ia),
-                                            CheckpointDirName(3, ib), CheckpointDirName(4, ib),
-                                            CheckpointDirName(4, ij)}));
+  EXPECT_EQ(names(), (std::set<std::string>{model::CheckpointDirName(3, ia), model::CheckpointDirName(4, ia),
+                                            model::CheckpointDirName(3, ib), model::CheckpointDirName(4, ib),
+                                            model::CheckpointDirName(4, ij)}));
   for (const auto& [scope, want] :
-       std::vector<std::pair<CheckpointScope, uint64_t>>{{ia, 4}, {ib, 4}, {ij, 4}}) {
+       std::vector<std::pair<model::CheckpointScope, uint64_t>>{{ia, 4}, {ib, 4}, {ij, 4}}) {
     auto found = FindLatestCheckpoint(dir, scope);
     ASSERT_TRUE(found.ok()) << found.status();
     EXPECT_EQ(found->step, want);
     EXPECT_EQ(found->instance, scope.instance);
     EXPECT_EQ(found->job_id, scope.job_id);
-    EXPECT_EQ(fs::path(found->path).filename(), CheckpointDirName(want, scope));
+    EXPECT_EQ(fs::path(found->path).filename(), model::CheckpointDirName(want, scope));
   }
   {
     auto found = FindLatestCheckpoint(dir, ia);
@@ -841,7 +841,7 @@ TEST_F(CheckpointTest, InstancesAndJobsSharingADirectoryKeepToTheirOwn) {
   EXPECT_NE(none.status().message().find("5 of other instances or jobs"), std::string::npos)
       << none.status();
   // Named explicitly: a step directory is anyone's to resume; the directory is ambiguous.
-  auto named = FindLatestCheckpoint((dir_ / CheckpointDirName(3, ib)).string());
+  auto named = FindLatestCheckpoint((dir_ / model::CheckpointDirName(3, ib)).string());
   ASSERT_TRUE(named.ok()) << named.status();
   EXPECT_EQ(named->instance, "ib");
   auto ambiguous = FindLatestCheckpoint(dir);
@@ -849,17 +849,17 @@ TEST_F(CheckpointTest, InstancesAndJobsSharingADirectoryKeepToTheirOwn) {
   for (const std::string& want :
        {std::string("holds the checkpoints of 3 jobs"), std::string("instance 'ia' job 'default'"),
         std::string("instance 'ib' job 'default'"), std::string("instance 'ia' job 'job-2'"),
-        (dir_ / CheckpointDirName(4, ib)).string(), std::string("name the step directory")}) {
+        (dir_ / model::CheckpointDirName(4, ib)).string(), std::string("name the step directory")}) {
     EXPECT_NE(ambiguous.status().message().find(want), std::string::npos)
         << want << " in: " << ambiguous.status();
   }
   // A directory name that contradicts meta.json is refused.
-  fs::rename(dir_ / CheckpointDirName(3, ib), dir_ / CheckpointDirName(3, {"ix", "default"}));
-  auto renamed = ReadCheckpointInfo((dir_ / CheckpointDirName(3, {"ix", "default"})).string());
+  fs::rename(dir_ / model::CheckpointDirName(3, ib), dir_ / model::CheckpointDirName(3, {"ix", "default"}));
+  auto renamed = model::ReadCheckpointInfo((dir_ / model::CheckpointDirName(3, {"ix", "default"})).string());
   EXPECT_TRUE(absl::IsDataLoss(renamed.status())) << renamed.status();
   EXPECT_NE(renamed.status().message().find("instance 'ib' job 'default'"), std::string::npos)
       << renamed.status();
-  fs::rename(dir_ / CheckpointDirName(3, {"ix", "default"}), dir_ / CheckpointDirName(3, ib));
+  fs::rename(dir_ / model::CheckpointDirName(3, {"ix", "default"}), dir_ / model::CheckpointDirName(3, ib));
 
   // A format-2 checkpoint (step 9, newer than all) in the same directory.
   {
@@ -871,13 +871,13 @@ TEST_F(CheckpointTest, InstancesAndJobsSharingADirectoryKeepToTheirOwn) {
     ASSERT_TRUE(cl.Start((dir_ / "src").string(), 9, Describe(*b)).ok());
     auto r = cl.Wait(9, 60000);
     ASSERT_TRUE(r.ok()) << r.status();
-    EXPECT_EQ(AsOldFormat(r->path, 2), (dir_ / "src" / CheckpointDirName(9)).string());
+    EXPECT_EQ(AsOldFormat(r->path, 2), (dir_ / "src" / model::CheckpointDirName(9)).string());
     auto only_old = FindLatestCheckpoint((dir_ / "src").string());  // one job's: unambiguous
     ASSERT_TRUE(only_old.ok()) << only_old.status();
     EXPECT_EQ(only_old->step, 9u);
     EXPECT_EQ(only_old->format, 2u);
     EXPECT_EQ(only_old->instance, "");
-    fs::rename(dir_ / "src" / CheckpointDirName(9), dir_ / CheckpointDirName(9));
+    fs::rename(dir_ / "src" / model::CheckpointDirName(9), dir_ / model::CheckpointDirName(9));
     fs::remove_all(dir_ / "src");
   }
   auto mine = FindLatestCheckpoint(dir, ia);
@@ -889,17 +889,17 @@ TEST_F(CheckpointTest, InstancesAndJobsSharingADirectoryKeepToTheirOwn) {
   }
   ASSERT_TRUE(ca.Start(dir, 5, Describe(*a)).ok());  // prunes ia's step 3, nothing else
   ASSERT_TRUE(ca.Wait(5, 60000).ok());
-  EXPECT_EQ(names(), (std::set<std::string>{CheckpointDirName(4, ia), CheckpointDirName(5, ia),
-                                            CheckpointDirName(3, ib), CheckpointDirName(4, ib),
-                                            CheckpointDirName(4, ij), CheckpointDirName(9)}));
-  auto legacy = FindLatestCheckpoint((dir_ / CheckpointDirName(9)).string());
+  EXPECT_EQ(names(), (std::set<std::string>{model::CheckpointDirName(4, ia), model::CheckpointDirName(5, ia),
+                                            model::CheckpointDirName(3, ib), model::CheckpointDirName(4, ib),
+                                            model::CheckpointDirName(4, ij), model::CheckpointDirName(9)}));
+  auto legacy = FindLatestCheckpoint((dir_ / model::CheckpointDirName(9)).string());
   ASSERT_TRUE(legacy.ok()) << legacy.status();
   EXPECT_EQ(legacy->job_id, "default");
-  ASSERT_TRUE(VerifyCheckpointData(*legacy).ok());
+  ASSERT_TRUE(model::VerifyCheckpointData(*legacy).ok());
   auto restored = NewState(10);
   ASSERT_TRUE(RestoreCheckpoint(*legacy, restored.get(), pool_.get()).ok());
   EXPECT_EQ(restored->committed_version(0), 9u);
-  auto listed = ListCheckpoints(dir, false);
+  auto listed = model::ListCheckpoints(dir, false);
   ASSERT_TRUE(listed.ok());
   ASSERT_EQ(listed->size(), 6u);
   EXPECT_EQ((*listed)[0].step, 9u);
@@ -985,8 +985,8 @@ TEST(CheckpointScopeEngineTest, InstancesSharingADirectoryNeitherPruneNorRestore
   for (const auto& e : fs::directory_iterator(ck)) names.insert(e.path().filename().string());
   EXPECT_EQ(names,
             (std::set<std::string>{
-                CheckpointDirName(3, {ia, "default"}), CheckpointDirName(4, {ia, "default"}),
-                CheckpointDirName(5, {ib, "default"}), CheckpointDirName(6, {ib, "default"})}));
+                model::CheckpointDirName(3, {ia, "default"}), model::CheckpointDirName(4, {ia, "default"}),
+                model::CheckpointDirName(5, {ib, "default"}), model::CheckpointDirName(6, {ib, "default"})}));
   {
     // A crash left instance A's segments holding another model's state: not adoptable.
     TrainingState::Options so;
@@ -1005,7 +1005,7 @@ TEST(CheckpointScopeEngineTest, InstancesSharingADirectoryNeitherPruneNorRestore
   auto status = e.GetStatus();
   ASSERT_TRUE(status.ok());
   EXPECT_EQ(fs::path(status->job().resumed_from()).filename(),
-            CheckpointDirName(4, {ia, "default"}));
+            model::CheckpointDirName(4, {ia, "default"}));
   e.Shutdown(/*remove_state=*/true).IgnoreError();
   again->reset();
   fs::remove_all(dir);
@@ -1036,15 +1036,15 @@ TEST_F(CheckpointTest, KeepLastDeletesOlderOnlyAfterCommit) {
 // parent directory after it; the marker is the last file written, then its directory fsynced.
 TEST_F(CheckpointTest, DurableWriteOrder) {
   std::vector<std::pair<std::string, std::string>> ops;
-  CheckpointDirWriter::Options o;
+  model::CheckpointDirWriter::Options o;
   o.trace = [&ops](std::string_view op, const std::string& path) {
     ops.emplace_back(std::string(op), fs::path(path).filename().string());
   };
-  auto w = CheckpointDirWriter::Begin(dir_.string(), 7, {"default", "default"}, o);
+  auto w = model::CheckpointDirWriter::Begin(dir_.string(), 7, {"default", "default"}, o);
   ASSERT_TRUE(w.ok());
   std::vector<float> a(100, 1.0f);
   auto state = NewState(1);
-  CheckpointInfo info = Describe(*state);
+  model::CheckpointInfo info = Describe(*state);
   for (uint32_t l = 0; l < 2; ++l)
     ASSERT_TRUE((*w)->WriteLayer(l, 100, a.data(), a.data(), a.data()).ok());
   ASSERT_TRUE((*w)->Commit(info).ok());
@@ -1079,7 +1079,7 @@ TEST_F(CheckpointTest, ManifestMismatchNamesBothHashesAndTheTensor) {
   other.mutable_layers(1)->mutable_tensors(0)->set_shape(1, 4);
   absl::Status s = CheckCheckpointManifest(*info, other);
   EXPECT_TRUE(absl::IsFailedPrecondition(s)) << s;
-  EXPECT_NE(s.message().find(ManifestHashHex(ManifestHash(other))), std::string::npos) << s;
+  EXPECT_NE(s.message().find(model::ManifestHashHex(model::ManifestHash(other))), std::string::npos) << s;
   EXPECT_NE(s.message().find(info->manifest_hash), std::string::npos) << s;
   EXPECT_NE(s.message().find("block1.proj.weight"), std::string::npos) << s;
   EXPECT_TRUE(CheckCheckpointManifest(*info, state->model().manifest).ok());

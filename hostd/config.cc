@@ -25,7 +25,7 @@
 #include "absl/strings/str_split.h"
 #include "common/status_macros.h"
 #include "common/tcp_auth.h"
-#include "hostd/job_spec.h"
+#include "model/job_spec.h"
 #include "toml++/toml.h"
 
 extern char** environ;
@@ -294,7 +294,7 @@ KeyDescriptor DoubleKey(std::string name, std::string section, std::string help,
             set(c, v);
             return absl::OkStatus();
           },
-          [get](const HostdConfig& c) { return FormatSetting(get(c)); }};
+          [get](const HostdConfig& c) { return model::FormatSetting(get(c)); }};
 }
 
 KeyDescriptor SizeKey(std::string name, std::string section, std::string help,
@@ -813,7 +813,7 @@ absl::Status Validate(const HostdConfig& c, const WhereFn& where) {
                 "must not be empty; expected tiny, tiny-tied, a directory containing "
                 "config.json, or a path to a config.json");
   }
-  if (std::optional<SettingError> e = CheckWorldSize(c.world_size)) {
+  if (std::optional<model::SettingError> e = model::CheckWorldSize(c.world_size)) {
     return fail(e->field, e->message);
   }
   if (c.init != "auto" && c.init != "random" && c.init != "zeros" &&
@@ -825,10 +825,11 @@ absl::Status Validate(const HostdConfig& c, const WhereFn& where) {
   }
   if (c.init.find('\0') != std::string::npos) return fail("init", "must not contain NUL");
 
-  if (std::optional<SettingError> e = CheckOptimizer(c.optimizer)) {
+  if (std::optional<model::SettingError> e = model::CheckOptimizer(c.optimizer)) {
     return fail(e->field, e->message);
   }
-  if (std::optional<SettingError> e = CheckRoutes(c.routes)) return fail(e->field, e->message);
+  if (std::optional<model::SettingError> e = model::CheckRoutes(c.routes))
+    return fail(e->field, e->message);
 
   if (c.numa_node < -1) {
     return fail("numa_node", absl::StrCat("must be >= -1 (-1: auto), got ", c.numa_node));
@@ -1011,7 +1012,7 @@ absl::StatusOr<std::string> TomlValueText(const KeyDescriptor& d, const toml::no
       if (n.is_string()) return n.as_string()->get();
       return expected("an unsigned integer");
     case ValueKind::kDouble:
-      if (n.is_floating_point()) return FormatSetting(n.as_floating_point()->get());
+      if (n.is_floating_point()) return model::FormatSetting(n.as_floating_point()->get());
       if (n.is_integer()) return absl::StrCat(n.as_integer()->get());
       return expected("a number");
     case ValueKind::kSize:
@@ -1119,33 +1120,6 @@ std::string TomlValue(const KeyDescriptor* d, const std::string& value) {
 }
 
 }  // namespace
-
-OptimizerConfig DefaultOptimizerConfig() {
-  OptimizerConfig o;
-  o.set_lr(1e-4);
-  o.set_beta1(0.9);
-  o.set_beta2(0.999);
-  o.set_eps(1e-8);
-  o.set_weight_decay(0.01);
-  o.set_no_decay_norms_and_biases(true);
-  o.set_schedule(slidedp::v1::LR_SCHEDULE_CONSTANT);
-  o.set_warmup_steps(0);
-  o.set_total_steps(0);
-  o.set_min_lr_ratio(0);
-  o.set_clip(slidedp::v1::CLIP_POLICY_NONE);
-  o.set_max_grad_norm(1.0);
-  o.set_grad_dtype(slidedp::v1::DTYPE_BF16);
-  o.set_scale_by_world_size(true);
-  return o;
-}
-
-Routes DefaultRoutes() {
-  Routes r;
-  r.set_param_route(slidedp::v1::PARAM_ROUTE_REPLICATED);
-  r.set_grad_route(slidedp::v1::GRAD_ROUTE_CPU_REDUCTION);
-  r.set_chunk_bytes(16 * kMiB);
-  return r;
-}
 
 std::vector<std::string> ConfigKeys() {
   std::vector<std::string> out;

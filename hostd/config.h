@@ -27,16 +27,10 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "model/defaults.h"
 #include "slidedp/v1/control.pb.h"
 
 namespace slidedp::hostd {
-
-// lr 1e-4, beta1 0.9, beta2 0.999, eps 1e-8, weight_decay 0.01, no_decay_norms_and_biases true,
-// schedule constant, warmup 0, total_steps 0, min_lr_ratio 0, clip none, max_grad_norm 1.0,
-// grad_dtype BF16, scale_by_world_size true.
-slidedp::v1::OptimizerConfig DefaultOptimizerConfig();
-// param_route replicated, grad_route cpu_reduction, chunk_bytes 16 MiB.
-slidedp::v1::Routes DefaultRoutes();
 
 // The effective daemon configuration. Every field has a default; see the key table in config.cc
 // (or `hostd --help`) for the key that sets each one.
@@ -48,8 +42,8 @@ struct HostdConfig {
   std::string model = "tiny";   // "tiny", "tiny-tied", a directory or a config.json (LoadModel)
   uint64_t seed = 0;
   uint32_t world_size = 1;  // 1..64
-  slidedp::v1::OptimizerConfig optimizer = DefaultOptimizerConfig();
-  slidedp::v1::Routes routes = DefaultRoutes();
+  slidedp::v1::OptimizerConfig optimizer = model::DefaultOptimizerConfig();
+  slidedp::v1::Routes routes = model::DefaultRoutes();
   int numa_node = -1;              // -1: auto
   int update_threads = 0;          // 0: all cores of the state's NUMA node
   std::string isa = "auto";        // auto|scalar|avx2|avx512|avx512bf16

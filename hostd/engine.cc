@@ -22,11 +22,11 @@
 #include "common/version.h"
 #include "hostd/hf_export.h"
 #include "hostd/hf_import.h"
-#include "hostd/lr_schedule.h"
-#include "hostd/manifest.h"
 #include "hostd/output_roots.h"
 #include "hostd/recovery.h"
-#include "hostd/safetensors.h"
+#include "model/lr_schedule.h"
+#include "model/manifest.h"
+#include "model/safetensors.h"
 #include "spdlog/spdlog.h"
 
 namespace slidedp::hostd {
@@ -189,8 +189,8 @@ absl::Status Engine::Init(std::optional<Topology> topology) {
     // Everything about the checkpoint is checked before any memory is committed.
     auto found = FindLatestCheckpoint(config_.checkpoint.resume);
     if (!found.ok()) return Annotate(found.status(), "checkpoint.resume");
-    const CheckpointInfo info = std::move(*found);
-    LoadedModel model;
+    const model::CheckpointInfo info = std::move(*found);
+    model::LoadedModel model;
     std::string model_dir;
     if (config_.model == "none" || config_.model.empty()) {
       model.manifest = info.spec.manifest();
@@ -198,7 +198,7 @@ absl::Status Engine::Init(std::optional<Topology> topology) {
       model.config_json = info.config_json;
       model.source = info.model_source;
     } else {
-      ASSIGN_OR_RETURN(model, LoadModel(config_.model));
+      ASSIGN_OR_RETURN(model, model::LoadModel(config_.model));
       RETURN_IF_ERROR(Annotate(CheckCheckpointManifest(info, model.manifest), "checkpoint.resume"));
     }
     slidedp::v1::JobSpec spec = info.spec;
@@ -209,7 +209,7 @@ absl::Status Engine::Init(std::optional<Topology> topology) {
     RETURN_IF_ERROR(ClaimCreation(spec.job_id()));
     RETURN_IF_ERROR(CreateJobUnlocked(std::move(spec), std::move(model), model_dir, &info));
   } else if (config_.model != "none" && !config_.model.empty()) {
-    ASSIGN_OR_RETURN(LoadedModel model, LoadModel(config_.model));
+    ASSIGN_OR_RETURN(model::LoadedModel model, model::LoadModel(config_.model));
     slidedp::v1::JobSpec spec;
     spec.set_job_id("default");
     *spec.mutable_optimizer() = config_.optimizer;
@@ -315,7 +315,7 @@ absl::Status Engine::Shutdown(bool remove_state) {
 
 absl::Status Engine::FinalCheckpoint() {
   std::string dir;
-  CheckpointInfo info;
+  model::CheckpointInfo info;
   uint64_t version = 0;
   {
     absl::MutexLock lock(&mu_);
@@ -356,10 +356,10 @@ absl::Status Engine::FinalCheckpoint() {
   return absl::OkStatus();
 }
 
-CheckpointInfo Engine::CheckpointDescriptionLocked() const {
-  CheckpointInfo info;
+model::CheckpointInfo Engine::CheckpointDescriptionLocked() const {
+  model::CheckpointInfo info;
   info.job_id = job_->job_id();
-  info.manifest_hash = ManifestHashHex(state_->manifest_hash());
+  info.manifest_hash = model::ManifestHashHex(state_->manifest_hash());
   info.spec = *job_;
   *info.spec.mutable_optimizer() = worker_->optimizer();
   *info.spec.mutable_manifest() = state_->model().manifest;
@@ -621,9 +621,9 @@ absl::StatusOr<slidedp::v1::CheckpointResponse> Engine::Checkpoint(
     step = queued_step_ != 0 ? queued_step_ : running_step_ != 0 ? running_step_ : next_step_ - 1;
     RETURN_IF_ERROR(StartCheckpointLocked(dir, step));
     spdlog::info("checkpoint of step {} requested into {}", step, dir);
-    path =
-        (std::filesystem::path(dir) / CheckpointDirName(step, {config_.instance, job_->job_id()}))
-            .string();
+    path = (std::filesystem::path(dir) /
+            model::CheckpointDirName(step, {config_.instance, job_->job_id()}))
+               .string();
   }
   slidedp::v1::CheckpointResponse resp;
   resp.set_step(step);
@@ -652,7 +652,7 @@ absl::Status Engine::CheckJob(absl::string_view job_id) const {
         "no job exists yet: create one with CreateJob (or start hostd with --model)");
   }
   if (!job_id.empty() && job_id != job_->job_id()) {
-    return absl::NotFoundError(absl::StrCat("job_id: unknown job '", ShownText(job_id),
+    return absl::NotFoundError(absl::StrCat("job_id: unknown job '", model::ShownText(job_id),
                                             "'; this hostd has '", job_->job_id(), "'"));
   }
   return absl::OkStatus();
@@ -680,14 +680,15 @@ absl::StatusOr<slidedp::v1::HandshakeResponse> Engine::Handshake(
   const auto& c = r.client();
   if (c.protocol_version() != kProtocolVersion) {
     return absl::FailedPreconditionError(absl::StrCat(
-        "version skew: ", c.component().empty() ? "client" : ShownText(c.component()), " ",
-        ShownText(c.version()), " speaks protocol_version ", c.protocol_version(), " but hostd ",
-        kVersion, " speaks protocol_version ", kProtocolVersion, "; install matching versions"));
+        "version skew: ", c.component().empty() ? "client" : model::ShownText(c.component()), " ",
+        model::ShownText(c.version()), " speaks protocol_version ", c.protocol_version(),
+        " but hostd ", kVersion, " speaks protocol_version ", kProtocolVersion,
+        "; install matching versions"));
   }
   if (c.shm_abi_version() != 0 && c.shm_abi_version() != kShmAbiVersion) {
     return absl::FailedPreconditionError(absl::StrCat(
-        "version skew: ", c.component().empty() ? "client" : ShownText(c.component()), " ",
-        ShownText(c.version()), " uses shm_abi_version ", c.shm_abi_version(), " but hostd ",
+        "version skew: ", c.component().empty() ? "client" : model::ShownText(c.component()), " ",
+        model::ShownText(c.version()), " uses shm_abi_version ", c.shm_abi_version(), " but hostd ",
         kVersion, " uses shm_abi_version ", kShmAbiVersion, "; install matching versions"));
   }
   slidedp::v1::HandshakeResponse resp;
@@ -747,19 +748,21 @@ std::string Engine::CreationLineLocked() const {
                          creating_->phase(), progress, elapsed);
 }
 
-absl::Status Engine::CreateJobUnlocked(slidedp::v1::JobSpec spec, LoadedModel model,
-                                       const std::string& model_dir, const CheckpointInfo* resume) {
+absl::Status Engine::CreateJobUnlocked(slidedp::v1::JobSpec spec, model::LoadedModel model,
+                                       const std::string& model_dir,
+                                       const model::CheckpointInfo* resume) {
   // This call owns the creation (ClaimCreation); it ends with the call, whatever the outcome.
   absl::Cleanup ended = [this] {
     absl::MutexLock lock(&mu_);
     creating_.reset();
   };
-  ASSIGN_OR_RETURN(spec, NormalizeJobSpec(std::move(spec), config_.routes));
+  ASSIGN_OR_RETURN(spec, model::NormalizeJobSpec(std::move(spec), config_.routes));
   const slidedp::v1::Routes* routes = &spec.routes();
   TrainingState::Options so;
   so.instance = config_.instance;
   so.model = std::move(model);
-  so.model.manifest.set_manifest_hash(ManifestHashHex(ManifestHash(so.model.manifest)));
+  so.model.manifest.set_manifest_hash(
+      model::ManifestHashHex(model::ManifestHash(so.model.manifest)));
   so.world_size = spec.world_size();
   so.numa_node = topology_.nodes.size() > 1 || config_.numa_node >= 0 ? state_node_ : -1;
   so.mode = instance_lock_->mode();
@@ -777,11 +780,11 @@ absl::Status Engine::CreateJobUnlocked(slidedp::v1::JobSpec spec, LoadedModel mo
   so.zero_init = init.kind == WeightsInit::Kind::kZeros;
   // The checkpoint is opened and matched to the manifest before any memory is committed, so a
   // bad or mismatched checkpoint fails here, fast, with the tensor named.
-  std::unique_ptr<SafetensorsCheckpoint> checkpoint;
+  std::unique_ptr<model::SafetensorsCheckpoint> checkpoint;
   ImportPlan plan;
   if (init.kind == WeightsInit::Kind::kSafetensors) {
     const std::string context = absl::StrCat("init (", config_.init, ")");
-    auto opened = SafetensorsCheckpoint::Open(init.path);
+    auto opened = model::SafetensorsCheckpoint::Open(init.path);
     if (!opened.ok()) return Annotate(opened.status(), context);
     checkpoint = std::move(*opened);
     auto planned = PlanImport(so.model.manifest, *checkpoint);
@@ -813,16 +816,16 @@ absl::Status Engine::CreateJobUnlocked(slidedp::v1::JobSpec spec, LoadedModel mo
   // job, if any (never another's that shares the directory).
   auto find_checkpoint = [this, &spec]() -> std::optional<std::string> {
     if (config_.checkpoint.dir.empty()) return std::nullopt;
-    absl::StatusOr<CheckpointInfo> found =
+    absl::StatusOr<model::CheckpointInfo> found =
         FindLatestCheckpoint(config_.checkpoint.dir, {config_.instance, spec.job_id()});
     if (!found.ok()) return std::nullopt;
     return found->path;
   };
   NoteCreation("recovering", 0, 0, "");
   ASSIGN_OR_RETURN(Recovered recovered, RecoverInstance(so, policy, find_checkpoint));
-  std::optional<CheckpointInfo> recovery_checkpoint;
+  std::optional<model::CheckpointInfo> recovery_checkpoint;
   if (recovered.plan.action == RecoveryPlan::Action::kRestoreCheckpoint && resume == nullptr) {
-    absl::StatusOr<CheckpointInfo> info = FindLatestCheckpoint(recovered.plan.checkpoint);
+    absl::StatusOr<model::CheckpointInfo> info = FindLatestCheckpoint(recovered.plan.checkpoint);
     if (!info.ok()) return Annotate(info.status(), "recovery");
     RETURN_IF_ERROR(Annotate(CheckCheckpointManifest(*info, so.model.manifest), "recovery"));
     spdlog::warn("the state left by a previous hostd could not be re-adopted ({}); restoring {}",
@@ -979,13 +982,13 @@ absl::Status Engine::CreateJobUnlocked(slidedp::v1::JobSpec spec, LoadedModel mo
 
 absl::StatusOr<slidedp::v1::CreateJobResponse> Engine::CreateJob(
     const slidedp::v1::CreateJobRequest& r) {
-  std::optional<CheckpointInfo> resume;
+  std::optional<model::CheckpointInfo> resume;
   slidedp::v1::ModelManifest manifest = r.spec().manifest();
   if (!r.resume_path().empty()) {
     if (r.resume_path().front() != '/') {
       return absl::InvalidArgumentError(absl::StrCat(
           "resume_path: expected an absolute path (hostd has its own working directory), got '",
-          ShownText(r.resume_path(), 1024), "'"));
+          model::ShownText(r.resume_path(), 1024), "'"));
     }
     auto found = FindLatestCheckpoint(r.resume_path());
     if (!found.ok()) return Annotate(found.status(), "resume_path");
@@ -996,7 +999,7 @@ absl::StatusOr<slidedp::v1::CreateJobResponse> Engine::CreateJob(
       RETURN_IF_ERROR(Annotate(CheckCheckpointManifest(*resume, manifest), "resume_path"));
     }
   }
-  RETURN_IF_ERROR(ValidateManifest(manifest));
+  RETURN_IF_ERROR(model::ValidateManifest(manifest));
   {
     absl::MutexLock lock(&mu_);
     RETURN_IF_ERROR(CheckServing());
@@ -1006,27 +1009,27 @@ absl::StatusOr<slidedp::v1::CreateJobResponse> Engine::CreateJob(
     mu_.Await(absl::Condition(&idle));
     RETURN_IF_ERROR(CheckServing());
     if (job_) {
-      const uint64_t want = ManifestHash(manifest);
+      const uint64_t want = model::ManifestHash(manifest);
       if (want == state_->manifest_hash() &&
           (r.spec().job_id().empty() || r.spec().job_id() == job_->job_id())) {
         // The same bounds as a new job's: a value out of them is refused, not ignored.
-        RETURN_IF_ERROR(NormalizeJobSpec(r.spec(), config_.routes).status());
+        RETURN_IF_ERROR(model::NormalizeJobSpec(r.spec(), config_.routes).status());
         // Idempotent: the same model is already loaded (e.g. hostd started with --model).
         slidedp::v1::CreateJobResponse resp;
         *resp.mutable_spec() = *job_;
         return resp;
       }
-      return absl::AlreadyExistsError(
-          absl::StrCat("a job already exists ('", job_->job_id(), "', manifest ",
-                       ManifestHashHex(state_->manifest_hash()),
-                       "); this hostd serves one job; requested manifest ", ManifestHashHex(want)));
+      return absl::AlreadyExistsError(absl::StrCat(
+          "a job already exists ('", job_->job_id(), "', manifest ",
+          model::ManifestHashHex(state_->manifest_hash()),
+          "); this hostd serves one job; requested manifest ", model::ManifestHashHex(want)));
     }
     // Claimed in the same critical section as the checks: a concurrent CreateJob waits above.
     std::string job_id = r.spec().job_id();
     if (job_id.empty() && resume) job_id = resume->job_id;
     RETURN_IF_ERROR(ClaimCreationLocked(job_id));
   }
-  LoadedModel model;
+  model::LoadedModel model;
   model.manifest = manifest;
   model.source = "rpc";
   slidedp::v1::JobSpec spec = r.spec();
@@ -1063,11 +1066,11 @@ absl::StatusOr<slidedp::v1::AttachRankResponse> Engine::AttachRank(
                                               " (world_size ", job_->world_size(), "), got ",
                                               r.rank()));
   }
-  const std::string have = ManifestHashHex(state_->manifest_hash());
+  const std::string have = model::ManifestHashHex(state_->manifest_hash());
   if (r.manifest_hash() != have) {
     return absl::FailedPreconditionError(
         absl::StrCat("manifest_hash: the rank's model has manifest ",
-                     r.manifest_hash().empty() ? "(empty)" : ShownText(r.manifest_hash()),
+                     r.manifest_hash().empty() ? "(empty)" : model::ShownText(r.manifest_hash()),
                      " but the job's is ", have, "; the rank must build the same model as hostd"));
   }
   RankEntry& e = ranks_[r.rank()];
@@ -1363,7 +1366,7 @@ void Engine::MarkCompletedLocked(uint64_t step) {
 }
 
 void Engine::NoteAbortLocked(uint64_t step, absl::string_view reason) {
-  recent_aborts_.emplace_back(step, ShownText(reason, 256));
+  recent_aborts_.emplace_back(step, model::ShownText(reason, 256));
   if (recent_aborts_.size() > kRecentAborts) recent_aborts_.pop_front();
 }
 
@@ -1703,10 +1706,10 @@ absl::StatusOr<slidedp::v1::GetStatusResponse> Engine::GetStatus() {
   js->set_step(steps_completed_);
   js->set_step_state(step_state_);
   js->set_total_params(state_->total_params());
-  js->set_manifest_hash(ManifestHashHex(state_->manifest_hash()));
+  js->set_manifest_hash(model::ManifestHashHex(state_->manifest_hash()));
   *js->mutable_routes() = job_->routes();
   *js->mutable_optimizer() = worker_->optimizer();
-  js->set_current_lr(LearningRate(worker_->optimizer(), next_step_));
+  js->set_current_lr(model::LearningRate(worker_->optimizer(), next_step_));
   js->set_weights_source(state_->weights_source());
   for (uint32_t l : client_layers_) js->add_client_updated_layers(l);
   if (!resumed_from_.empty()) {
@@ -1883,7 +1886,7 @@ absl::StatusOr<slidedp::v1::UpdateHyperParamsResponse> Engine::UpdateHyperParams
   absl::MutexLock lock(&mu_);
   RETURN_IF_ERROR(CheckJob(r.job_id()));
   ASSIGN_OR_RETURN(const slidedp::v1::OptimizerConfig next,
-                   ApplyHyperParams(worker_->optimizer(), r.optimizer(), r.fields()));
+                   model::ApplyHyperParams(worker_->optimizer(), r.optimizer(), r.fields()));
   if (next.clip() == slidedp::v1::CLIP_POLICY_GLOBAL && !client_layers_.empty()) {
     return absl::FailedPreconditionError(absl::StrCat(
         "clip: global needs every layer's gradient, but the ranks update layers ",

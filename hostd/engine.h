@@ -213,15 +213,15 @@ class Engine {
   // `model_dir`: the model's directory, where init "auto" looks for safetensors weights; empty
   // for a built-in model, a config.json path or a job created over RPC.
   // `resume`: restore this checkpoint into the new state (its step becomes the job's).
-  absl::Status CreateJobUnlocked(slidedp::v1::JobSpec spec, LoadedModel model,
+  absl::Status CreateJobUnlocked(slidedp::v1::JobSpec spec, model::LoadedModel model,
                                  const std::string& model_dir,
-                                 const CheckpointInfo* resume = nullptr) ABSL_LOCKS_EXCLUDED(mu_);
+                                 const model::CheckpointInfo* resume = nullptr) ABSL_LOCKS_EXCLUDED(mu_);
   // Records the creation's progress; false once hostd stops serving (the creation gives up).
   bool NoteCreation(const char* phase, uint64_t done, uint64_t total, const char* unit)
       ABSL_LOCKS_EXCLUDED(mu_);
   std::string CreationLineLocked() const ABSL_SHARED_LOCKS_REQUIRED(mu_);
   // The job as a checkpoint describes it (spec with the current optimizer, model fields).
-  CheckpointInfo CheckpointDescriptionLocked() const ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  model::CheckpointInfo CheckpointDescriptionLocked() const ABSL_SHARED_LOCKS_REQUIRED(mu_);
   // OK when a checkpoint of hostd's state alone is complete at `version`: no torn layer, and
   // hostd's copy of the client-updated layers is at `version` (or there are none).
   absl::Status CheckCheckpointableLocked(uint64_t version) const ABSL_SHARED_LOCKS_REQUIRED(mu_);

@@ -28,7 +28,7 @@
 #include "common/shm_segment.h"
 #include "common/version.h"
 #include "gtest/gtest.h"
-#include "hostd/checkpoint_format.h"
+#include "model/checkpoint_format.h"
 #include "hostd/service.h"
 #include "hostd/test_util.h"
 #include "kernels/cpu/bf16.h"
@@ -353,7 +353,7 @@ TEST_F(EngineTest, AttachBeforeModelExistsIsFailedPrecondition) {
   EXPECT_TRUE(stub_->CreateJob(&c3, cj, &cjr).ok());
 }
 
-// CreateJob and UpdateHyperParams refuse what the configuration refuses (hostd/job_spec.h):
+// CreateJob and UpdateHyperParams refuse what the configuration refuses (model/job_spec.h):
 // a chunk_bytes the ring arithmetic wraps on (2^62: the grads segment came out 4096 bytes
 // long and a rank's push crashed hostd), unknown enum values (schedule 99 ran as cosine), and
 // no job or segment is left behind by a refused CreateJob.
@@ -891,7 +891,7 @@ TEST_F(EngineTest, CheckpointAwaitsTheClientLayersUploadedByRankZero) {
   }
   ASSERT_EQ(committed, 1u);
   ASSERT_TRUE(std::filesystem::exists(
-      dir_ / "ck" / CheckpointDirName(1, {config_.instance, "default"}) / kCheckpointMarker));
+      dir_ / "ck" / model::CheckpointDirName(1, {config_.instance, "default"}) / model::kCheckpointMarker));
   for (uint32_t layer : {0u, last}) {
     const std::vector<float> m = pattern(layer, 0), v = pattern(layer, 2);
     EXPECT_EQ(std::memcmp(s->master(layer), m.data(), m.size() * 4), 0) << layer;
@@ -938,7 +938,7 @@ TEST_F(EngineTest, CheckpointAwaitsTheClientLayersUploadedByRankZero) {
         << st.error_message();
   }
   EXPECT_FALSE(
-      std::filesystem::exists(dir_ / "ck" / CheckpointDirName(2, {config_.instance, "default"})));
+      std::filesystem::exists(dir_ / "ck" / model::CheckpointDirName(2, {config_.instance, "default"})));
   // The failed checkpoint's request is withdrawn: between steps, rank 0 may upload version 2.
   std::vector<float> v0 = pattern(0, 0);
   EXPECT_TRUE(upload(2, 0, 0, 0, v0, tok, &ur).ok());
@@ -1409,7 +1409,7 @@ class RouteTest : public ::testing::Test {
       rankclient::RankClient::Options o;
       o.socket = (run.dir / "hostd.sock").string();
       o.rank = r;
-      o.manifest_hash = ManifestHashHex(ManifestHash(testing::SmallModel().manifest));
+      o.manifest_hash = model::ManifestHashHex(model::ManifestHash(testing::SmallModel().manifest));
       auto c = rankclient::RankClient::Attach(o);
       ASSERT_TRUE(c.ok()) << c.status();
       ranks.push_back(std::move(*c));
@@ -1574,7 +1574,7 @@ class OverlapTest : public ::testing::TestWithParam<v1::GradRoute> {
     EXPECT_TRUE(created.ok()) << created.status();
     rankclient::RankClient::Options o;
     o.socket = c.socket;
-    o.manifest_hash = ManifestHashHex(ManifestHash(testing::SmallModel().manifest));
+    o.manifest_hash = model::ManifestHashHex(model::ManifestHash(testing::SmallModel().manifest));
     auto client = rankclient::RankClient::Attach(o);
     EXPECT_TRUE(client.ok()) << client.status();
     if (!client.ok()) return nullptr;
@@ -1738,7 +1738,7 @@ TEST_P(OverlapTest, CheckpointAskedWithAQueuedStepIsOfTheQueuedStep) {
     auto stats = e.GetStats(v1::GetStatsRequest());
     return stats.ok() && stats->checkpoints_committed() == 1;
   }));
-  absl::StatusOr<CheckpointInfo> info = FindLatestCheckpoint((run->dir / "ck").string());
+  absl::StatusOr<model::CheckpointInfo> info = FindLatestCheckpoint((run->dir / "ck").string());
   ASSERT_TRUE(info.ok()) << info.status();
   EXPECT_EQ(info->step, 2u);
   EXPECT_EQ(run->StepsAborted(), 0u);
@@ -1764,11 +1764,11 @@ TEST_P(OverlapTest, StopCancelsACheckpointOfAQueuedStepThatNeverRan) {
       std::async(std::launch::async, [&] { e.Shutdown(/*remove_state=*/true).IgnoreError(); });
   ASSERT_EQ(stopped.wait_for(std::chrono::seconds(60)), std::future_status::ready)
       << "the stop waits for a checkpoint of a step that never ran";
-  absl::StatusOr<CheckpointInfo> info = FindLatestCheckpoint((run->dir / "ck").string());
+  absl::StatusOr<model::CheckpointInfo> info = FindLatestCheckpoint((run->dir / "ck").string());
   ASSERT_TRUE(info.ok()) << info.status();
   EXPECT_EQ(info->step, 1u);  // the final checkpoint (step 1 aborted: its layers are at 1)
   EXPECT_FALSE(std::filesystem::exists(run->dir / "ck" /
-                                       CheckpointDirName(2, {e.config().instance, "default"})));
+                                       model::CheckpointDirName(2, {e.config().instance, "default"})));
 }
 
 TEST_P(OverlapTest, AbortWithAQueuedStepDropsItAndItsRankBeginsItAgain) {

@@ -22,7 +22,7 @@
 #include "common/status_macros.h"
 #include "common/thread_pool.h"
 #include "common/version.h"
-#include "hostd/manifest.h"
+#include "model/manifest.h"
 #include "hostd/state.h"
 #include "nlohmann/json.hpp"
 
@@ -130,7 +130,7 @@ std::string ShardHeader(const TrainingState& state, const ExportShard& shard, Ex
   const auto& layers = state.model().manifest.layers();
   for (const auto& [l, t] : shard.tensors) {
     const auto& spec = layers.Get(static_cast<int>(l)).tensors(static_cast<int>(t));
-    const uint64_t bytes = TensorNumel(spec) * ElementBytes(dtype);
+    const uint64_t bytes = model::TensorNumel(spec) * ElementBytes(dtype);
     ordered_json shape = ordered_json::array();
     for (int64_t d : spec.shape()) shape.push_back(d);
     h[spec.name()] = {{"dtype", SafetensorsName(dtype)},
@@ -343,7 +343,7 @@ std::vector<ExportShard> PlanExportShards(const slidedp::v1::ModelManifest& mani
   for (int l = 0; l < manifest.layers_size(); ++l) {
     const auto& layer = manifest.layers(l);
     for (int t = 0; t < layer.tensors_size(); ++t) {
-      const uint64_t bytes = TensorNumel(layer.tensors(t)) * ElementBytes(dtype);
+      const uint64_t bytes = model::TensorNumel(layer.tensors(t)) * ElementBytes(dtype);
       if (shards.empty() ||
           (!shards.back().tensors.empty() && shards.back().bytes + bytes > max_shard_bytes)) {
         shards.emplace_back();
@@ -370,13 +370,13 @@ absl::StatusOr<std::string> ExportConfigJson(std::string_view config_json,
         "config_json: the job has no HF config (it was created over RPC); pass the model's "
         "config.json text");
   }
-  auto described = ManifestFromHfConfig(config_json, "config_json");
+  auto described = model::ManifestFromHfConfig(config_json, "config_json");
   if (!described.ok()) return described.status();
-  if (ManifestHash(described->manifest) != ManifestHash(manifest)) {
+  if (model::ManifestHash(described->manifest) != model::ManifestHash(manifest)) {
     return absl::InvalidArgumentError(absl::StrCat(
         "config_json: describes a model with manifest hash ",
-        ManifestHashHex(ManifestHash(described->manifest)), " but the job's is ",
-        ManifestHashHex(ManifestHash(manifest)), "; pass the config of the job's model"));
+        model::ManifestHashHex(model::ManifestHash(described->manifest)), " but the job's is ",
+        model::ManifestHashHex(model::ManifestHash(manifest)), "; pass the config of the job's model"));
   }
   ordered_json config = ordered_json::parse(config_json.begin(), config_json.end());
   config["torch_dtype"] = TorchName(dtype);

@@ -14,9 +14,9 @@
 #include "absl/strings/str_format.h"
 #include "common/thread_pool.h"
 #include "gtest/gtest.h"
-#include "hostd/checkpoint_format.h"
+#include "model/checkpoint_format.h"
 #include "hostd/engine.h"
-#include "hostd/safetensors.h"
+#include "model/safetensors.h"
 #include "hostd/state.h"
 #include "hostd/test_util.h"
 #include "kernels/cpu/bf16.h"
@@ -43,12 +43,12 @@ struct TempDir {
 };
 
 std::unique_ptr<TrainingState> MakeState(const std::string& model) {
-  auto loaded = LoadModel(model);
+  auto loaded = model::LoadModel(model);
   EXPECT_TRUE(loaded.ok()) << loaded.status();
   TrainingState::Options o;
   o.instance = UniqueInstance("export");
   o.model = *loaded;
-  o.model.manifest.set_manifest_hash(ManifestHashHex(ManifestHash(o.model.manifest)));
+  o.model.manifest.set_manifest_hash(model::ManifestHashHex(model::ManifestHash(o.model.manifest)));
   o.seed = 11;
   o.mlock = MlockPolicy::kBestEffort;
   auto s = TrainingState::Create(o, nullptr);
@@ -74,9 +74,9 @@ std::set<std::string> Listing(const std::string& dir) {
 // Every manifest tensor is in the checkpoint with the manifest's shape and exactly `expect`'s
 // bytes; the checkpoint has no other tensor.
 template <typename Expect>
-void CheckTensors(const TrainingState& s, const std::string& dir, SafetensorsDtype dtype,
+void CheckTensors(const TrainingState& s, const std::string& dir, model::SafetensorsDtype dtype,
                   Expect expect) {
-  auto ckpt = SafetensorsCheckpoint::Open(dir);
+  auto ckpt = model::SafetensorsCheckpoint::Open(dir);
   ASSERT_TRUE(ckpt.ok()) << ckpt.status();
   size_t count = 0;
   for (const LayerInfo& l : s.layers()) {
@@ -91,7 +91,7 @@ void CheckTensors(const TrainingState& s, const std::string& dir, SafetensorsDty
       for (int d = 0; d < spec.shape_size(); ++d) {
         EXPECT_EQ(e->tensor->shape[d], static_cast<uint64_t>(spec.shape(d))) << r.name;
       }
-      const size_t bytes = r.numel * SafetensorsDtypeBytes(dtype);
+      const size_t bytes = r.numel * model::SafetensorsDtypeBytes(dtype);
       std::vector<unsigned char> got(bytes);
       ASSERT_TRUE(e->file->Read(*e->tensor, 0, got.data(), bytes).ok());
       EXPECT_EQ(std::memcmp(got.data(), expect(l.index, r.offset), bytes), 0) << r.name;
@@ -123,7 +123,7 @@ TEST(HfExportTest, Fp32SingleFileIsTheMasterBitForBit) {
   EXPECT_EQ(marker.at("files"), json(r->files));
   EXPECT_FALSE(marker.at("hostd_version").get<std::string>().empty());
   EXPECT_EQ(r->tensor_bytes, s->total_params() * 4);
-  CheckTensors(*s, o.out_dir, SafetensorsDtype::kF32, [&](uint32_t l, uint64_t off) {
+  CheckTensors(*s, o.out_dir, model::SafetensorsDtype::kF32, [&](uint32_t l, uint64_t off) {
     return static_cast<const void*>(s->master(l) + off);
   });
   const json config = json::parse(ReadText(o.out_dir + "/config.json"));
@@ -131,7 +131,7 @@ TEST(HfExportTest, Fp32SingleFileIsTheMasterBitForBit) {
   EXPECT_EQ(config.at("tie_word_embeddings"), false);
   EXPECT_EQ(config.at("model_type"), "qwen3");
   // The header carries format "pt" (transformers refuses other formats).
-  auto file = SafetensorsFile::Open(o.out_dir + "/model.safetensors");
+  auto file = model::SafetensorsFile::Open(o.out_dir + "/model.safetensors");
   ASSERT_TRUE(file.ok());
   EXPECT_EQ((*file)->header().metadata.at("format"), "pt");
   EXPECT_EQ((*file)->header().data_offset % 8, 0u);
@@ -167,7 +167,7 @@ TEST(HfExportTest, Bf16ShardsWithIndexEqualTheServedParams) {
     EXPECT_EQ(index.at("metadata").at("total_size"), s->total_params() * 2);
     EXPECT_FALSE(fs::exists(out + "/model.safetensors"));
     EXPECT_EQ(index.at("weight_map").contains("lm_head.weight"), std::string(model) == "tiny");
-    CheckTensors(*s, out, SafetensorsDtype::kBF16, [&](uint32_t l, uint64_t off) {
+    CheckTensors(*s, out, model::SafetensorsDtype::kBF16, [&](uint32_t l, uint64_t off) {
       return static_cast<const void*>(s->params(l) + off);
     });
     const json config = json::parse(ReadText(out + "/config.json"));
@@ -228,7 +228,7 @@ TEST(HfExportTest, BadDestinationsAndConfigs) {
   expect(tmp.path + "/w", absl::StatusCode::kFailedPrecondition, "exists and is not a directory");
   EXPECT_TRUE(fs::exists(tmp.path + "/w.tmp"));
   // The config must describe this model.
-  auto other = LoadModel("tiny-tied");
+  auto other = model::LoadModel("tiny-tied");
   ASSERT_TRUE(other.ok());
   o.config_json = other->config_json;
   expect(tmp.path + "/y", absl::StatusCode::kInvalidArgument, "config_json: describes a model");
@@ -439,7 +439,7 @@ TEST(HfExportTest, EntriesAddedDuringTheExportAreKept) {
 }
 
 TEST(HfExportTest, PlanPutsEveryTensorOnceInOrder) {
-  auto m = LoadModel("tiny");
+  auto m = model::LoadModel("tiny");
   ASSERT_TRUE(m.ok());
   for (uint64_t max : {uint64_t{0}, uint64_t{1}, uint64_t{10000}, uint64_t{1} << 40}) {
     const auto shards = PlanExportShards(m->manifest, ExportDtype::kFp32, max);
@@ -520,7 +520,7 @@ TEST(HfExportEngineTest, WaitsForTheStepBoundaryAndValidatesInput) {
   EXPECT_EQ(marker.at("version"), 1);
   EXPECT_EQ(r->dtype(), slidedp::v1::DTYPE_BF16);
   for (uint32_t l = 0; l < n; ++l) EXPECT_EQ(s->committed_version(l), 1u);
-  CheckTensors(*s, tmp.path + "/out", SafetensorsDtype::kBF16, [&](uint32_t l, uint64_t off) {
+  CheckTensors(*s, tmp.path + "/out", model::SafetensorsDtype::kBF16, [&](uint32_t l, uint64_t off) {
     return static_cast<const void*>(s->params(l) + off);
   });
   // A second export into the same, now non-empty, directory is refused unless overwrite.
@@ -530,7 +530,7 @@ TEST(HfExportEngineTest, WaitsForTheStepBoundaryAndValidatesInput) {
   req.set_dtype(slidedp::v1::DTYPE_FP32);
   r = engine->ExportHF(req);
   ASSERT_TRUE(r.ok()) << r.status();
-  CheckTensors(*s, tmp.path + "/out", SafetensorsDtype::kF32, [&](uint32_t l, uint64_t off) {
+  CheckTensors(*s, tmp.path + "/out", model::SafetensorsDtype::kF32, [&](uint32_t l, uint64_t off) {
     return static_cast<const void*>(s->master(l) + off);
   });
   // A step can run after the export (nothing is left held).
@@ -589,7 +589,7 @@ TEST(EngineOutputDirTest, RequestedDirsMustBeAbsoluteAndUnderTheRoots) {
   EXPECT_FALSE(fs::exists(tmp.path + "/outside/step-0"));
   auto in_ckpt = checkpoint(ckpt + "/extra");
   ASSERT_TRUE(in_ckpt.ok()) << in_ckpt.status();
-  EXPECT_EQ(in_ckpt->path(), ckpt + "/extra/" + CheckpointDirName(0, {config.instance, "default"}));
+  EXPECT_EQ(in_ckpt->path(), ckpt + "/extra/" + model::CheckpointDirName(0, {config.instance, "default"}));
   slidedp::v1::ExportHFRequest ex;
   ex.set_out_dir(root + "/export");
   expect_refused(engine->ExportHF(ex).status(), absl::StatusCode::kPermissionDenied,
@@ -609,7 +609,7 @@ TEST(EngineOutputDirTest, RequestedDirsMustBeAbsoluteAndUnderTheRoots) {
   engine = std::move(*created);
   auto in_root = checkpoint(root + "/c");
   ASSERT_TRUE(in_root.ok()) << in_root.status();
-  EXPECT_EQ(in_root->path(), root + "/c/" + CheckpointDirName(0, {config.instance, "default"}));
+  EXPECT_EQ(in_root->path(), root + "/c/" + model::CheckpointDirName(0, {config.instance, "default"}));
   expect_refused(checkpoint(root + "/link/c").status(), absl::StatusCode::kPermissionDenied,
                  {"(resolved: '" + tmp.path + "/outside/c')", "(" + root + ")"});
   ex.set_out_dir(root + "/export");

@@ -26,7 +26,7 @@ std::string ShapeText(const Dims& shape) {
   return absl::StrCat("[", absl::StrJoin(shape, ", "), "]");
 }
 
-bool SameShape(const slidedp::v1::TensorSpec& spec, const SafetensorsTensor& t) {
+bool SameShape(const slidedp::v1::TensorSpec& spec, const model::SafetensorsTensor& t) {
   if (static_cast<size_t>(spec.shape_size()) != t.shape.size()) return false;
   for (size_t i = 0; i < t.shape.size(); ++i) {
     if (spec.shape(static_cast<int>(i)) < 0 ||
@@ -53,8 +53,34 @@ size_t FirstNonFinite(const float* dst, size_t n) {
 
 }  // namespace
 
+absl::Status ImportPlan::Check(const std::vector<LayerInfo>& layers) const {
+  bool fits = sources.size() == layers.size();
+  for (size_t l = 0; fits && l < layers.size(); ++l) {
+    fits = sources[l].size() == layers[l].tensors.size();
+    for (size_t t = 0; fits && t < layers[l].tensors.size(); ++t) {
+      fits = sources[l][t].name == layers[l].tensors[t].name &&
+             sources[l][t].tensor->numel == layers[l].tensors[t].numel;
+    }
+  }
+  if (!fits) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("the import plan of ", checkpoint, " was not made for this model's manifest"));
+  }
+  return absl::OkStatus();
+}
+
+std::string ImportPlan::Describe() const {
+  std::string out = absl::StrCat("safetensors ", checkpoint);
+  if (num_files > 1) absl::StrAppend(&out, " (", num_files, " files)");
+  return out;
+}
+
+absl::Status ImportPlan::Fill(uint32_t layer, uint32_t tensor, float* dst, ThreadPool* pool) const {
+  return ImportTensor(sources[layer][tensor], dst, pool);
+}
+
 absl::StatusOr<ImportPlan> PlanImport(const slidedp::v1::ModelManifest& manifest,
-                                      const SafetensorsCheckpoint& checkpoint) {
+                                      const model::SafetensorsCheckpoint& checkpoint) {
   ImportPlan plan;
   plan.checkpoint = checkpoint.path();
   plan.num_files = checkpoint.num_files();
@@ -63,7 +89,7 @@ absl::StatusOr<ImportPlan> PlanImport(const slidedp::v1::ModelManifest& manifest
   for (const auto& layer : manifest.layers()) {
     std::vector<ImportSource>& sources = plan.sources.emplace_back();
     for (const auto& spec : layer.tensors()) {
-      const SafetensorsCheckpoint::Entry* e = checkpoint.Find(spec.name());
+      const model::SafetensorsCheckpoint::Entry* e = checkpoint.Find(spec.name());
       if (e == nullptr) {
         missing.push_back(spec.name());
         continue;
@@ -88,7 +114,7 @@ absl::StatusOr<ImportPlan> PlanImport(const slidedp::v1::ModelManifest& manifest
         "'", missing.size() > named ? ", ..." : ""));
   }
   if (used < checkpoint.tensors().size()) {
-    std::unordered_set<const SafetensorsTensor*> taken;
+    std::unordered_set<const model::SafetensorsTensor*> taken;
     for (const auto& layer : plan.sources) {
       for (const ImportSource& s : layer) taken.insert(s.tensor);
     }
@@ -100,9 +126,9 @@ absl::StatusOr<ImportPlan> PlanImport(const slidedp::v1::ModelManifest& manifest
 }
 
 absl::Status ImportTensor(const ImportSource& source, float* dst, ThreadPool* pool) {
-  const SafetensorsTensor& t = *source.tensor;
-  const size_t esize = SafetensorsDtypeBytes(t.dtype);
-  const bool direct = t.dtype == SafetensorsDtype::kF32;
+  const model::SafetensorsTensor& t = *source.tensor;
+  const size_t esize = model::SafetensorsDtypeBytes(t.dtype);
+  const bool direct = t.dtype == model::SafetensorsDtype::kF32;
   const int threads = pool != nullptr ? pool->size() : 1;
   std::vector<absl::Status> errors(static_cast<size_t>(threads));
   std::vector<uint64_t> first_bad(static_cast<size_t>(threads), UINT64_MAX);
@@ -118,7 +144,7 @@ absl::Status ImportTensor(const ImportSource& source, float* dst, ThreadPool* po
         errors[static_cast<size_t>(thread)] = std::move(s);
         return;
       }
-      if (!direct) WidenToFp32(t.dtype, buffer.data(), dst + i, n);
+      if (!direct) model::WidenToFp32(t.dtype, buffer.data(), dst + i, n);
       const size_t bad = FirstNonFinite(dst + i, n);
       if (bad < n) {
         first_bad[static_cast<size_t>(thread)] = i + bad;
@@ -149,7 +175,7 @@ WeightsInit ResolveWeightsInit(std::string_view init, std::string_view model_dir
   if (init == "zeros") return {WeightsInit::Kind::kZeros, ""};
   if (init == "auto") {
     if (!model_dir.empty() &&
-        SafetensorsCheckpoint::DirectoryHasCheckpoint(std::string(model_dir))) {
+        model::SafetensorsCheckpoint::DirectoryHasCheckpoint(std::string(model_dir))) {
       return {WeightsInit::Kind::kSafetensors, std::string(model_dir)};
     }
     return {WeightsInit::Kind::kRandom, ""};

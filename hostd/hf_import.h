@@ -7,9 +7,10 @@
 // listed in the plan (HF checkpoints carry e.g. rotary inv_freq buffers, and a tied model's
 // checkpoint may carry lm_head.weight). ImportTensor then widens one tensor exactly into the
 // FP32 master, reading straight from the file into the destination (F32) or through a bounded
-// per-thread buffer (16-bit types), in parallel on the state's thread pool. TrainingState::Create
-// runs it when TrainingState::Options::import is set, and sets m = v = 0 and the BF16 params to
-// the round-to-nearest-even cast of the imported master, as for a random init.
+// per-thread buffer (16-bit types), in parallel on the state's thread pool. An ImportPlan is the
+// state's InitialWeights (state.h): TrainingState::Create, given it as Options::import, checks the
+// plan against its layout, fills the master through ImportTensor, and sets m = v = 0 and the BF16
+// params to the round-to-nearest-even cast of the imported master, as for a random init.
 //
 // Errors: INVALID_ARGUMENT naming the tensor and the checkpoint file for a missing tensor, a
 // shape mismatch or a non-finite value; the reader's errors (safetensors.h) for the files.
@@ -24,7 +25,8 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
-#include "hostd/safetensors.h"
+#include "hostd/state.h"
+#include "model/safetensors.h"
 #include "slidedp/v1/control.pb.h"
 
 namespace slidedp {
@@ -35,11 +37,17 @@ namespace slidedp::hostd {
 
 struct ImportSource {
   std::string name;  // the manifest's (and checkpoint's) tensor name
-  const SafetensorsFile* file = nullptr;
-  const SafetensorsTensor* tensor = nullptr;
+  const model::SafetensorsFile* file = nullptr;
+  const model::SafetensorsTensor* tensor = nullptr;
 };
 
-struct ImportPlan {
+struct ImportPlan final : InitialWeights {
+  // InitialWeights: the plan must have been made for the state's manifest (INVALID_ARGUMENT
+  // otherwise); Fill is ImportTensor of sources[layer][tensor].
+  absl::Status Check(const std::vector<LayerInfo>& layers) const override;
+  std::string Describe() const override;
+  absl::Status Fill(uint32_t layer, uint32_t tensor, float* dst, ThreadPool* pool) const override;
+
   std::string checkpoint;  // SafetensorsCheckpoint::path()
   size_t num_files = 0;
   // sources[l][t]: where tensor t of manifest layer l comes from.
@@ -52,7 +60,7 @@ struct ImportPlan {
 // must outlive it. Errors: INVALID_ARGUMENT naming the checkpoint file and the missing tensors
 // (up to 8 of them and their count) or the first tensor whose shape differs (both shapes).
 absl::StatusOr<ImportPlan> PlanImport(const slidedp::v1::ModelManifest& manifest,
-                                      const SafetensorsCheckpoint& checkpoint);
+                                      const model::SafetensorsCheckpoint& checkpoint);
 
 // Writes source.tensor->numel FP32 values to `dst`, the exact widening of the stored values,
 // split over `pool` (null: the calling thread). Errors: INVALID_ARGUMENT naming the tensor, the

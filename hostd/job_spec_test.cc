@@ -2,7 +2,7 @@
 // hostd's configuration (ValidateConfig) and by the RPC path (NormalizeJobSpec, which CreateJob
 // uses; ApplyHyperParams, for UpdateHyperParams) with the same message, and each
 // value at a bound is accepted by all of them.
-#include "hostd/job_spec.h"
+#include "model/job_spec.h"
 
 #include <cmath>
 #include <functional>
@@ -111,13 +111,13 @@ TEST(JobSpecTest, EveryPathRefusesTheSameValuesWithTheSameMessage) {
     ASSERT_EQ(config_msg.rfind(prefix, 0), 0u) << config_msg;
     const std::string what = config_msg.substr(prefix.size());
 
-    absl::StatusOr<v1::JobSpec> by_rpc = NormalizeJobSpec(SpecOf(cfg), DefaultRoutes());
+    absl::StatusOr<v1::JobSpec> by_rpc = model::NormalizeJobSpec(SpecOf(cfg), model::DefaultRoutes());
     ASSERT_FALSE(by_rpc.ok()) << "CreateJob accepted what the config refuses: " << config_msg;
     EXPECT_EQ(by_rpc.status().code(), absl::StatusCode::kInvalidArgument);
     EXPECT_EQ(std::string(by_rpc.status().message()), c.path + ": " + what);
 
     if (c.path.rfind("spec.optimizer.", 0) == 0) {  // what UpdateHyperParams checks
-      absl::StatusOr<v1::OptimizerConfig> opt = NormalizeOptimizerConfig(cfg.optimizer);
+      absl::StatusOr<v1::OptimizerConfig> opt = model::NormalizeOptimizerConfig(cfg.optimizer);
       ASSERT_FALSE(opt.ok());
       EXPECT_EQ(std::string(opt.status().message()), "optimizer." + c.field + ": " + what);
     }
@@ -135,7 +135,7 @@ google::protobuf::RepeatedPtrField<std::string> Fields(std::vector<std::string> 
 }
 
 v1::OptimizerConfig JobOptimizer() {
-  return NormalizeOptimizerConfig(HostdConfig().optimizer).value();
+  return model::NormalizeOptimizerConfig(HostdConfig().optimizer).value();
 }
 
 TEST(JobSpecTest, UpdateHyperParamsRefusesWhatTheConfigRefusesInItsWords) {
@@ -148,7 +148,7 @@ TEST(JobSpecTest, UpdateHyperParamsRefusesWhatTheConfigRefusesInItsWords) {
     const std::string config_msg(ValidateConfig(cfg).message());
     const std::string what = config_msg.substr(c.field.size() + 2);
     absl::StatusOr<v1::OptimizerConfig> r =
-        ApplyHyperParams(JobOptimizer(), cfg.optimizer, Fields(all));
+        model::ApplyHyperParams(JobOptimizer(), cfg.optimizer, Fields(all));
     ASSERT_FALSE(r.ok()) << "UpdateHyperParams accepted what the config refuses: " << config_msg;
     EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument);
     EXPECT_EQ(std::string(r.status().message()), "optimizer." + c.field + ": " + what);
@@ -160,16 +160,16 @@ TEST(JobSpecTest, UpdateHyperParamsTakesANamedZeroAsAValue) {
   // The old path (NormalizeOptimizerConfig) filled 0.9, 0.999, 1e-8 for these and 1.0 for
   // max_grad_norm: the request was answered OK with values it did not ask for.
   absl::StatusOr<v1::OptimizerConfig> r =
-      ApplyHyperParams(JobOptimizer(), in, Fields({"beta1", "beta2", "eps"}));
+      model::ApplyHyperParams(JobOptimizer(), in, Fields({"beta1", "beta2", "eps"}));
   ASSERT_FALSE(r.ok());
   EXPECT_EQ(std::string(r.status().message()),
             "optimizer.eps: must be a finite number > 0, got 0.0");
-  r = ApplyHyperParams(JobOptimizer(), in, Fields({"max_grad_norm"}));
+  r = model::ApplyHyperParams(JobOptimizer(), in, Fields({"max_grad_norm"}));
   ASSERT_FALSE(r.ok());
   EXPECT_EQ(std::string(r.status().message()),
             "optimizer.max_grad_norm: must be a finite number > 0, got 0.0");
   // In bounds: 0 it is.
-  r = ApplyHyperParams(JobOptimizer(), in, Fields({"beta1", "lr", "weight_decay"}));
+  r = model::ApplyHyperParams(JobOptimizer(), in, Fields({"beta1", "lr", "weight_decay"}));
   ASSERT_TRUE(r.ok()) << r.status();
   EXPECT_EQ(r->beta1(), 0.0);
   EXPECT_EQ(r->lr(), 0.0);
@@ -178,7 +178,7 @@ TEST(JobSpecTest, UpdateHyperParamsTakesANamedZeroAsAValue) {
   v1::OptimizerConfig clipped = JobOptimizer();
   clipped.set_clip(v1::CLIP_POLICY_GLOBAL);
   clipped.set_schedule(v1::LR_SCHEDULE_COSINE);
-  r = ApplyHyperParams(clipped, in, Fields({"clip", "schedule"}));
+  r = model::ApplyHyperParams(clipped, in, Fields({"clip", "schedule"}));
   ASSERT_TRUE(r.ok()) << r.status();
   EXPECT_EQ(r->clip(), v1::CLIP_POLICY_NONE);
   EXPECT_EQ(r->schedule(), v1::LR_SCHEDULE_CONSTANT);
@@ -186,29 +186,29 @@ TEST(JobSpecTest, UpdateHyperParamsTakesANamedZeroAsAValue) {
 
 TEST(JobSpecTest, UpdateHyperParamsNamesTheFieldsItCannotChange) {
   v1::OptimizerConfig in;
-  absl::StatusOr<v1::OptimizerConfig> r = ApplyHyperParams(JobOptimizer(), in, Fields({}));
+  absl::StatusOr<v1::OptimizerConfig> r = model::ApplyHyperParams(JobOptimizer(), in, Fields({}));
   ASSERT_FALSE(r.ok());
   EXPECT_THAT(std::string(r.status().message()), HasSubstr("fields: expected at least one of lr"));
   for (const char* fixed :
        {"grad_dtype", "scale_by_world_size", "no_decay_norms_and_biases", "momentum", ""}) {
-    r = ApplyHyperParams(JobOptimizer(), in, Fields({"lr", fixed}));
+    r = model::ApplyHyperParams(JobOptimizer(), in, Fields({"lr", fixed}));
     ASSERT_FALSE(r.ok()) << fixed;
     EXPECT_THAT(std::string(r.status().message()),
                 HasSubstr(absl::StrCat("fields: '", fixed, "' cannot be changed")));
   }
   // A client's 1 MiB name comes back bounded (gRPC clients take 8 KiB of trailers).
-  r = ApplyHyperParams(JobOptimizer(), in, Fields({std::string(1 << 20, 'f')}));
+  r = model::ApplyHyperParams(JobOptimizer(), in, Fields({std::string(1 << 20, 'f')}));
   ASSERT_FALSE(r.ok());
   EXPECT_LT(r.status().message().size(), 400u);
   EXPECT_THAT(std::string(r.status().message()), HasSubstr("... (1048576 bytes)"));
 }
 
 TEST(JobSpecTest, ShownTextIsBoundedAndPrintable) {
-  EXPECT_EQ(ShownText("a/b"), "a/b");
-  EXPECT_EQ(ShownText("x\n\x01y"), "x??y");
-  EXPECT_EQ(ShownText(std::string(80, 'a')), std::string(80, 'a'));
-  EXPECT_EQ(ShownText(std::string(81, 'a')), std::string(80, 'a') + "... (81 bytes)");
-  EXPECT_EQ(ShownText("abcdef", 3), "abc... (6 bytes)");
+  EXPECT_EQ(model::ShownText("a/b"), "a/b");
+  EXPECT_EQ(model::ShownText("x\n\x01y"), "x??y");
+  EXPECT_EQ(model::ShownText(std::string(80, 'a')), std::string(80, 'a'));
+  EXPECT_EQ(model::ShownText(std::string(81, 'a')), std::string(80, 'a') + "... (81 bytes)");
+  EXPECT_EQ(model::ShownText("abcdef", 3), "abc... (6 bytes)");
 }
 
 TEST(JobSpecTest, ValuesAtTheBoundsAreAcceptedEverywhere) {
@@ -231,9 +231,9 @@ TEST(JobSpecTest, ValuesAtTheBoundsAreAcceptedEverywhere) {
     HostdConfig cfg;
     at_bounds[i](cfg);
     EXPECT_TRUE(ValidateConfig(cfg).ok()) << ValidateConfig(cfg);
-    absl::StatusOr<v1::JobSpec> spec = NormalizeJobSpec(SpecOf(cfg), DefaultRoutes());
+    absl::StatusOr<v1::JobSpec> spec = model::NormalizeJobSpec(SpecOf(cfg), model::DefaultRoutes());
     EXPECT_TRUE(spec.ok()) << spec.status();
-    const absl::StatusOr<v1::OptimizerConfig> updated = ApplyHyperParams(
+    const absl::StatusOr<v1::OptimizerConfig> updated = model::ApplyHyperParams(
         JobOptimizer(), cfg.optimizer,
         Fields(std::vector<std::string>(std::begin(kSettable), std::end(kSettable))));
     EXPECT_TRUE(updated.ok()) << updated.status();
@@ -241,9 +241,9 @@ TEST(JobSpecTest, ValuesAtTheBoundsAreAcceptedEverywhere) {
 }
 
 TEST(JobSpecTest, UnsetFieldsOfAMessageTakeTheDefaults) {
-  v1::Routes defaults = DefaultRoutes();
+  v1::Routes defaults = model::DefaultRoutes();
   defaults.set_grad_route(v1::GRAD_ROUTE_GPU_REDUCTION);
-  absl::StatusOr<v1::JobSpec> spec = NormalizeJobSpec(v1::JobSpec(), defaults);
+  absl::StatusOr<v1::JobSpec> spec = model::NormalizeJobSpec(v1::JobSpec(), defaults);
   ASSERT_TRUE(spec.ok()) << spec.status();
   EXPECT_EQ(spec->job_id(), "default");
   EXPECT_EQ(spec->world_size(), 1u);
@@ -261,14 +261,14 @@ TEST(JobSpecTest, JobIdIsBoundedAndPrintable) {
        {std::string(65, 'a'), std::string("a/b"), std::string("a b"), std::string("x\n\x01y")}) {
     v1::JobSpec spec;
     spec.set_job_id(id);
-    absl::StatusOr<v1::JobSpec> r = NormalizeJobSpec(spec, DefaultRoutes());
+    absl::StatusOr<v1::JobSpec> r = model::NormalizeJobSpec(spec, model::DefaultRoutes());
     ASSERT_FALSE(r.ok()) << id;
     EXPECT_THAT(std::string(r.status().message()), HasSubstr("spec.job_id: '"));
     EXPECT_EQ(std::string(r.status().message()).find('\n'), std::string::npos);
   }
   v1::JobSpec ok;
   ok.set_job_id("qwen3-4b_run.2");
-  EXPECT_TRUE(NormalizeJobSpec(ok, DefaultRoutes()).ok());
+  EXPECT_TRUE(model::NormalizeJobSpec(ok, model::DefaultRoutes()).ok());
 }
 
 TEST(JobSpecTest, GradSegmentBytesRefusesLayoutsThatWrap) {

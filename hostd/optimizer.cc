@@ -275,7 +275,7 @@ std::vector<kernels::AdamWScalars> UpdateWorker::LayerScalars(
     uint32_t layer, uint64_t step, double grad_scale,
     const slidedp::v1::OptimizerConfig& cfg) const {
   const LayerInfo& info = state_->layers()[layer];
-  const double lr = LearningRate(cfg, step);
+  const double lr = model::LearningRate(cfg, step);
   const bool use_no_decay = cfg.no_decay_norms_and_biases();
   std::vector<kernels::AdamWScalars> scalars;
   scalars.reserve(info.tensors.size());

@@ -50,8 +50,8 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
-#include "hostd/job_spec.h"  // NormalizeOptimizerConfig
-#include "hostd/lr_schedule.h"
+#include "model/job_spec.h"  // NormalizeOptimizerConfig
+#include "model/lr_schedule.h"
 #include "hostd/state.h"
 #include "kernels/cpu/adamw.h"
 #include "slidedp/v1/control.pb.h"

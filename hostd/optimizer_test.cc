@@ -34,7 +34,7 @@ v1::OptimizerConfig BaseConfig() {
   c.set_weight_decay(0.1);
   c.set_no_decay_norms_and_biases(true);
   c.set_scale_by_world_size(true);
-  return *NormalizeOptimizerConfig(c);
+  return *model::NormalizeOptimizerConfig(c);
 }
 
 struct Fixture {
@@ -83,7 +83,7 @@ Expected Reference(const TrainingState& s, uint32_t layer, const std::vector<uin
   e.params.resize(info.numel);
   for (const TensorRange& t : info.tensors) {
     const double wd = t.no_decay && cfg.no_decay_norms_and_biases() ? 0 : cfg.weight_decay();
-    auto sc = kernels::MakeAdamWScalars(LearningRate(cfg, step), cfg.beta1(), cfg.beta2(),
+    auto sc = kernels::MakeAdamWScalars(model::LearningRate(cfg, step), cfg.beta1(), cfg.beta2(),
                                         cfg.eps(), wd, grad_scale, step);
     kernels::AdamWUpdate(kernels::Isa::kScalar, sc, g.data() + t.offset, kernels::GradType::kBf16,
                          e.master.data() + t.offset, e.m.data() + t.offset, e.v.data() + t.offset,
@@ -108,29 +108,29 @@ double Norm(const std::vector<uint16_t>& g) {
 
 TEST(LearningRateTest, Schedules) {
   v1::OptimizerConfig c = BaseConfig();
-  EXPECT_DOUBLE_EQ(LearningRate(c, 1), 1e-3);
-  EXPECT_DOUBLE_EQ(LearningRate(c, 1000), 1e-3);
+  EXPECT_DOUBLE_EQ(model::LearningRate(c, 1), 1e-3);
+  EXPECT_DOUBLE_EQ(model::LearningRate(c, 1000), 1e-3);
   c.set_warmup_steps(10);
-  EXPECT_DOUBLE_EQ(LearningRate(c, 1), 0.0);  // HF: step 0 of warm-up is lr * 0
-  EXPECT_DOUBLE_EQ(LearningRate(c, 6), 1e-3 * 5 / 10);
-  EXPECT_DOUBLE_EQ(LearningRate(c, 11), 1e-3);
+  EXPECT_DOUBLE_EQ(model::LearningRate(c, 1), 0.0);  // HF: step 0 of warm-up is lr * 0
+  EXPECT_DOUBLE_EQ(model::LearningRate(c, 6), 1e-3 * 5 / 10);
+  EXPECT_DOUBLE_EQ(model::LearningRate(c, 11), 1e-3);
   c.set_schedule(v1::LR_SCHEDULE_LINEAR);
   c.set_total_steps(110);
-  EXPECT_DOUBLE_EQ(LearningRate(c, 11), 1e-3);
-  EXPECT_DOUBLE_EQ(LearningRate(c, 61), 1e-3 * 0.5);
-  EXPECT_DOUBLE_EQ(LearningRate(c, 111), 0.0);
-  EXPECT_DOUBLE_EQ(LearningRate(c, 500), 0.0);
+  EXPECT_DOUBLE_EQ(model::LearningRate(c, 11), 1e-3);
+  EXPECT_DOUBLE_EQ(model::LearningRate(c, 61), 1e-3 * 0.5);
+  EXPECT_DOUBLE_EQ(model::LearningRate(c, 111), 0.0);
+  EXPECT_DOUBLE_EQ(model::LearningRate(c, 500), 0.0);
   c.set_schedule(v1::LR_SCHEDULE_COSINE);
-  EXPECT_DOUBLE_EQ(LearningRate(c, 61), 1e-3 * 0.5 * (1 + std::cos(std::numbers::pi * 0.5)));
-  EXPECT_NEAR(LearningRate(c, 111), 0.0, 1e-18);
+  EXPECT_DOUBLE_EQ(model::LearningRate(c, 61), 1e-3 * 0.5 * (1 + std::cos(std::numbers::pi * 0.5)));
+  EXPECT_NEAR(model::LearningRate(c, 111), 0.0, 1e-18);
   c.set_min_lr_ratio(0.1);
-  EXPECT_NEAR(LearningRate(c, 111), 1e-4, 1e-15);
-  EXPECT_DOUBLE_EQ(LearningRate(c, 11), 1e-3);
+  EXPECT_NEAR(model::LearningRate(c, 111), 1e-4, 1e-15);
+  EXPECT_DOUBLE_EQ(model::LearningRate(c, 11), 1e-3);
 }
 
 TEST(NormalizeOptimizerConfigTest, DefaultsAndRangeErrorsNameTheField) {
   v1::OptimizerConfig empty;
-  auto n = NormalizeOptimizerConfig(empty);
+  auto n = model::NormalizeOptimizerConfig(empty);
   ASSERT_TRUE(n.ok());
   EXPECT_EQ(n->beta1(), 0.9);
   EXPECT_EQ(n->clip(), v1::CLIP_POLICY_NONE);
@@ -160,7 +160,7 @@ TEST(NormalizeOptimizerConfigTest, DefaultsAndRangeErrorsNameTheField) {
   for (const Case& c : cases) {
     v1::OptimizerConfig cfg = BaseConfig();
     c.mutate(cfg);
-    auto r = NormalizeOptimizerConfig(cfg);
+    auto r = model::NormalizeOptimizerConfig(cfg);
     ASSERT_FALSE(r.ok()) << c.field;
     EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument);
     EXPECT_NE(r.status().message().find(c.field), std::string::npos) << r.status();

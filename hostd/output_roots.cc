@@ -9,7 +9,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "common/status_macros.h"
-#include "hostd/job_spec.h"
+#include "model/job_spec.h"
 
 namespace slidedp::hostd {
 namespace {
@@ -25,7 +25,7 @@ constexpr char kHowToAllow[] =
 // which clients cap at 8 KiB, and it may name two paths and the roots.
 constexpr size_t kShownPathBytes = 1024;
 
-std::string Shown(const std::string& path) { return ShownText(path, kShownPathBytes); }
+std::string Shown(const std::string& path) { return model::ShownText(path, kShownPathBytes); }
 
 // "/a/b/" -> "/a/b" ("/" stays).
 fs::path StripTrailingSlashes(std::string text) {

@@ -53,8 +53,8 @@ const std::vector<uint32_t> kOrder = {2, 1, 0};
 
 // SmallModel (layers of 9970 and 15000 elements) plus a 50-element layer: with 2 or 3 ranks its
 // shards are [0, 50) and empty ones (ShardElems rounds up to 64).
-LoadedModel ShardModel() {
-  LoadedModel m = testing::SmallModel();
+model::LoadedModel ShardModel() {
+  model::LoadedModel m = testing::SmallModel();
   auto* l2 = m.manifest.add_layers();
   l2->set_name("tiny");
   l2->set_kind(v1::LAYER_KIND_DECODER);
@@ -72,7 +72,7 @@ v1::OptimizerConfig BaseConfig() {
   c.set_weight_decay(0.1);
   c.set_no_decay_norms_and_biases(true);
   c.set_scale_by_world_size(true);
-  return *NormalizeOptimizerConfig(c);
+  return *model::NormalizeOptimizerConfig(c);
 }
 
 // The aggregated gradient of (step, layer): BF16-representable values, so FP32 and BF16 pushes
@@ -811,7 +811,7 @@ TEST(EngineShardRouteTest, StreamedStepsThenAbortMidLayerRefusesFurtherSteps) {
   for (uint32_t r = 0; r < 2; ++r) {
     v1::AttachRankRequest a;
     a.set_rank(r);
-    a.set_manifest_hash(ManifestHashHex(ManifestHash(ShardModel().manifest)));
+    a.set_manifest_hash(model::ManifestHashHex(model::ManifestHash(ShardModel().manifest)));
     a.set_pid(getpid());
     auto attached = engine->AttachRank(a);
     ASSERT_TRUE(attached.ok()) << attached.status();

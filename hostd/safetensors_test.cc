@@ -1,4 +1,4 @@
-#include "hostd/safetensors.h"
+#include "model/safetensors.h"
 
 #include <unistd.h>
 
@@ -106,20 +106,20 @@ double F16Reference(uint16_t h) {
   return sign * std::ldexp(1024 + mant, exp - 25);
 }
 
-std::vector<float> ReadAsFloat(const SafetensorsFile& f, const std::string& name) {
-  const SafetensorsTensor* t = f.Find(name);
+std::vector<float> ReadAsFloat(const model::SafetensorsFile& f, const std::string& name) {
+  const model::SafetensorsTensor* t = f.Find(name);
   EXPECT_NE(t, nullptr) << name;
   if (t == nullptr) return {};
   std::string bytes(t->end - t->begin, '\0');
   EXPECT_TRUE(f.Read(*t, 0, bytes.data(), bytes.size()).ok());
   std::vector<float> out(t->numel);
-  WidenToFp32(t->dtype, bytes.data(), out.data(), out.size());
+  model::WidenToFp32(t->dtype, bytes.data(), out.data(), out.size());
   return out;
 }
 
 TEST(SafetensorsTest, F16WideningIsExactForEveryPattern) {
   for (uint32_t h = 0; h < 65536; ++h) {
-    const float got = F16ToFp32(static_cast<uint16_t>(h));
+    const float got = model::F16ToFp32(static_cast<uint16_t>(h));
     const double want = F16Reference(static_cast<uint16_t>(h));
     if (std::isnan(want)) {
       EXPECT_TRUE(std::isnan(got)) << h;
@@ -143,13 +143,13 @@ TEST(SafetensorsTest, ValidSingleFileAllDtypesExact) {
                                                 {"d.scalar", "F32", {}, F32Bytes({2.5f})},
                                                 {"e.empty", "BF16", {0, 4}, ""}},
                                                {{"format", "pt"}}));
-  auto file = SafetensorsFile::Open(path);
+  auto file = model::SafetensorsFile::Open(path);
   ASSERT_TRUE(file.ok()) << file.status();
-  const SafetensorsHeader& h = (*file)->header();
+  const model::SafetensorsHeader& h = (*file)->header();
   EXPECT_EQ(h.tensors.size(), 5u);
   EXPECT_EQ(h.metadata.at("format"), "pt");
   EXPECT_EQ(h.tensors.at("a.f32").shape, (std::vector<uint64_t>{2, 3}));
-  EXPECT_EQ(h.tensors.at("a.f32").dtype, SafetensorsDtype::kF32);
+  EXPECT_EQ(h.tensors.at("a.f32").dtype, model::SafetensorsDtype::kF32);
   EXPECT_EQ(h.tensors.at("c.f16").numel, 7u);
   EXPECT_EQ(h.tensors.at("d.scalar").numel, 1u);
   EXPECT_EQ(h.tensors.at("e.empty").numel, 0u);
@@ -171,7 +171,7 @@ TEST(SafetensorsTest, ValidSingleFileAllDtypesExact) {
 
   // Reads stay inside the tensor.
   char buf[8];
-  const SafetensorsTensor& a = h.tensors.at("a.f32");
+  const model::SafetensorsTensor& a = h.tensors.at("a.f32");
   EXPECT_EQ((*file)->Read(a, 20, buf, 8).code(), absl::StatusCode::kOutOfRange);
   EXPECT_EQ((*file)->Read(a, 25, buf, 0).code(), absl::StatusCode::kOutOfRange);
   EXPECT_TRUE((*file)->Read(a, 16, buf, 8).ok());
@@ -179,12 +179,12 @@ TEST(SafetensorsTest, ValidSingleFileAllDtypesExact) {
   // The in-memory parser agrees, and a checkpoint opened on the directory finds the file.
   std::ifstream in(path, std::ios::binary);
   const std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-  auto parsed = ParseSafetensorsFile(bytes);
+  auto parsed = model::ParseSafetensorsFile(bytes);
   ASSERT_TRUE(parsed.ok()) << parsed.status();
   EXPECT_EQ(parsed->tensors.size(), 5u);
   EXPECT_EQ(parsed->data_offset, h.data_offset);
-  EXPECT_TRUE(SafetensorsCheckpoint::DirectoryHasCheckpoint(tmp.path()));
-  auto ckpt = SafetensorsCheckpoint::Open(tmp.path());
+  EXPECT_TRUE(model::SafetensorsCheckpoint::DirectoryHasCheckpoint(tmp.path()));
+  auto ckpt = model::SafetensorsCheckpoint::Open(tmp.path());
   ASSERT_TRUE(ckpt.ok()) << ckpt.status();
   EXPECT_EQ((*ckpt)->path(), path);
   EXPECT_EQ((*ckpt)->num_files(), 1u);
@@ -205,9 +205,9 @@ TEST(SafetensorsTest, ValidShardedCheckpointWithIndex) {
           "weight_map": {"x": "model-00001-of-00002.safetensors",
                          "y": "model-00001-of-00002.safetensors",
                          "z": "model-00002-of-00002.safetensors"}})");
-  EXPECT_TRUE(SafetensorsCheckpoint::DirectoryHasCheckpoint(tmp.path()));
+  EXPECT_TRUE(model::SafetensorsCheckpoint::DirectoryHasCheckpoint(tmp.path()));
   for (const std::string& where : {tmp.path(), index}) {
-    auto ckpt = SafetensorsCheckpoint::Open(where);
+    auto ckpt = model::SafetensorsCheckpoint::Open(where);
     ASSERT_TRUE(ckpt.ok()) << ckpt.status();
     EXPECT_EQ((*ckpt)->path(), index);
     EXPECT_EQ((*ckpt)->num_files(), 2u);
@@ -224,7 +224,7 @@ TEST(SafetensorsTest, SingleFileWinsOverIndexInADirectory) {
   TempDir tmp;
   tmp.Write("model.safetensors", BuildFile({{"only", "F32", {1}, F32Bytes({7})}}));
   tmp.Write("model.safetensors.index.json", R"({"weight_map": {"x": "missing.safetensors"}})");
-  auto ckpt = SafetensorsCheckpoint::Open(tmp.path());
+  auto ckpt = model::SafetensorsCheckpoint::Open(tmp.path());
   ASSERT_TRUE(ckpt.ok()) << ckpt.status();
   EXPECT_NE((*ckpt)->Find("only"), nullptr);
 }
@@ -254,7 +254,7 @@ std::string Obj(const std::vector<std::string>& entries) {
 std::vector<HostileCase> HostileCases() {
   const auto kInvalid = absl::StatusCode::kInvalidArgument;
   const std::string data16(16, '\0');
-  std::string over_cap = Le64(kSafetensorsMaxHeaderBytes + 1) + "{}";
+  std::string over_cap = Le64(model::kSafetensorsMaxHeaderBytes + 1) + "{}";
   std::string beyond = Le64(100) + "{}";
   std::string huge_len = Le64(UINT64_MAX) + "{}";
   std::string dims17 = "[";
@@ -342,19 +342,19 @@ class HostileFileTest : public ::testing::TestWithParam<HostileCase> {};
 
 TEST_P(HostileFileTest, RejectedWithSpecificStatus) {
   const HostileCase& c = GetParam();
-  const auto parsed = ParseSafetensorsFile(c.bytes);
+  const auto parsed = model::ParseSafetensorsFile(c.bytes);
   ASSERT_FALSE(parsed.ok());
   EXPECT_EQ(parsed.status().code(), c.code) << parsed.status();
   EXPECT_THAT(std::string(parsed.status().message()), HasSubstr(c.expect));
 
   TempDir tmp;
   const std::string path = tmp.Write("model.safetensors", c.bytes);
-  const auto opened = SafetensorsFile::Open(path);
+  const auto opened = model::SafetensorsFile::Open(path);
   ASSERT_FALSE(opened.ok());
   EXPECT_EQ(opened.status().code(), c.code) << opened.status();
   EXPECT_THAT(std::string(opened.status().message()), HasSubstr(path));
   EXPECT_THAT(std::string(opened.status().message()), HasSubstr(c.expect));
-  const auto ckpt = SafetensorsCheckpoint::Open(tmp.path());
+  const auto ckpt = model::SafetensorsCheckpoint::Open(tmp.path());
   ASSERT_FALSE(ckpt.ok());
   EXPECT_EQ(ckpt.status().code(), c.code) << ckpt.status();
 }
@@ -363,10 +363,10 @@ INSTANTIATE_TEST_SUITE_P(Cases, HostileFileTest, ::testing::ValuesIn(HostileCase
                          [](const auto& info) { return info.param.label; });
 
 TEST(SafetensorsTest, EdgeCasesThatAreValid) {
-  EXPECT_TRUE(ParseSafetensorsFile(RawFile("{}")).ok());
-  EXPECT_TRUE(ParseSafetensorsFile(RawFile("{}       ")).ok());
+  EXPECT_TRUE(model::ParseSafetensorsFile(RawFile("{}")).ok());
+  EXPECT_TRUE(model::ParseSafetensorsFile(RawFile("{}       ")).ok());
   // Empty tensors may share an offset, also inside another tensor's range; gaps are allowed.
-  auto h = ParseSafetensorsFile(
+  auto h = model::ParseSafetensorsFile(
       RawFile(Obj({Entry("a", "F32", "[2]", "[0, 8]"), Entry("e", "F32", "[0]", "[4, 4]"),
                    Entry("f", "BF16", "[0, 3]", "[4, 4]"), Entry("b", "F16", "[2]", "[12, 16]")}),
               std::string(16, '\0')));
@@ -376,18 +376,18 @@ TEST(SafetensorsTest, EdgeCasesThatAreValid) {
 
 TEST(SafetensorsTest, NotARegularFileOrMissing) {
   TempDir tmp;
-  EXPECT_EQ(SafetensorsFile::Open(tmp.path()).status().code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_EQ(SafetensorsFile::Open(tmp.path() + "/nope.safetensors").status().code(),
+  EXPECT_EQ(model::SafetensorsFile::Open(tmp.path()).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(model::SafetensorsFile::Open(tmp.path() + "/nope.safetensors").status().code(),
             absl::StatusCode::kNotFound);
   const std::string fifo = absl::StrCat(tmp.path(), "/fifo.safetensors");
   ASSERT_EQ(mkfifo(fifo.c_str(), 0600), 0);
-  EXPECT_EQ(SafetensorsFile::Open(fifo).status().code(), absl::StatusCode::kInvalidArgument);
-  const auto empty_dir = SafetensorsCheckpoint::Open(tmp.path());
+  EXPECT_EQ(model::SafetensorsFile::Open(fifo).status().code(), absl::StatusCode::kInvalidArgument);
+  const auto empty_dir = model::SafetensorsCheckpoint::Open(tmp.path());
   EXPECT_EQ(empty_dir.status().code(), absl::StatusCode::kNotFound);
   EXPECT_THAT(std::string(empty_dir.status().message()), HasSubstr("neither model.safetensors"));
-  EXPECT_EQ(SafetensorsCheckpoint::Open(tmp.path() + "/none").status().code(),
+  EXPECT_EQ(model::SafetensorsCheckpoint::Open(tmp.path() + "/none").status().code(),
             absl::StatusCode::kNotFound);
-  EXPECT_FALSE(SafetensorsCheckpoint::DirectoryHasCheckpoint(tmp.path()));
+  EXPECT_FALSE(model::SafetensorsCheckpoint::DirectoryHasCheckpoint(tmp.path()));
 }
 
 TEST(SafetensorsTest, TruncatedAfterOpenIsDataLoss) {
@@ -395,7 +395,7 @@ TEST(SafetensorsTest, TruncatedAfterOpenIsDataLoss) {
   const std::vector<float> v(1000, 1.0f);
   const std::string path =
       tmp.Write("w.safetensors", BuildFile({{"w", "F32", {1000}, F32Bytes(v)}}));
-  auto file = SafetensorsFile::Open(path);
+  auto file = model::SafetensorsFile::Open(path);
   ASSERT_TRUE(file.ok()) << file.status();
   fs::resize_file(path, (*file)->header().data_offset + 100);
   std::vector<float> out(1000);
@@ -486,7 +486,7 @@ TEST_P(BadIndexTest, Rejected) {
   TempDir tmp;
   const std::string index = tmp.Write("model.safetensors.index.json", c.index);
   for (const auto& [name, bytes] : c.shards) tmp.Write(name, bytes);
-  const auto ckpt = SafetensorsCheckpoint::Open(tmp.path());
+  const auto ckpt = model::SafetensorsCheckpoint::Open(tmp.path());
   ASSERT_FALSE(ckpt.ok());
   EXPECT_EQ(ckpt.status().code(), c.code) << ckpt.status();
   EXPECT_THAT(std::string(ckpt.status().message()), HasSubstr(c.expect));
@@ -504,7 +504,7 @@ using testing::UniqueInstance;
 
 // The small model's tensors with deterministic values, stored as `dtypes` (one per tensor).
 std::vector<WTensor> SmallModelTensors(const std::vector<std::string>& dtypes, uint64_t seed) {
-  const LoadedModel model = SmallModel();
+  const model::LoadedModel model = SmallModel();
   std::mt19937 rng(static_cast<uint32_t>(seed));
   std::vector<WTensor> out;
   size_t k = 0;
@@ -552,7 +552,7 @@ float Expected(const WTensor& w, uint64_t i) {
   }
   uint16_t b;
   std::memcpy(&b, w.bytes.data() + 2 * i, 2);
-  return w.dtype == "BF16" ? kernels::Bf16ToFp32(b) : F16ToFp32(b);
+  return w.dtype == "BF16" ? kernels::Bf16ToFp32(b) : model::F16ToFp32(b);
 }
 
 TEST(HfImportTest, StateImportsExactWeightsWithZeroMomentsAndRneParams) {
@@ -566,7 +566,7 @@ TEST(HfImportTest, StateImportsExactWeightsWithZeroMomentsAndRneParams) {
     std::vector<WTensor> stored = tensors;
     stored.push_back({"model.rotary_emb.inv_freq", "F32", {2}, F32Bytes({1, 2})});
     tmp.Write("model.safetensors", BuildFile(stored));
-    auto ckpt = SafetensorsCheckpoint::Open(tmp.path());
+    auto ckpt = model::SafetensorsCheckpoint::Open(tmp.path());
     ASSERT_TRUE(ckpt.ok()) << ckpt.status();
     TrainingState::Options o;
     o.instance = UniqueInstance("import");
@@ -605,11 +605,11 @@ TEST(HfImportTest, StateImportsExactWeightsWithZeroMomentsAndRneParams) {
 TEST(HfImportTest, MissingAndMismatchedTensorsAreNamed) {
   TempDir tmp;
   std::vector<WTensor> tensors = SmallModelTensors({"BF16"}, 1);
-  const LoadedModel model = SmallModel();
+  const model::LoadedModel model = SmallModel();
 
   std::vector<WTensor> missing(tensors.begin(), tensors.end() - 1);
   const std::string path = tmp.Write("missing/model.safetensors", BuildFile(missing));
-  auto ckpt = SafetensorsCheckpoint::Open(tmp.path() + "/missing");
+  auto ckpt = model::SafetensorsCheckpoint::Open(tmp.path() + "/missing");
   ASSERT_TRUE(ckpt.ok()) << ckpt.status();
   auto plan = PlanImport(model.manifest, **ckpt);
   EXPECT_EQ(plan.status().code(), absl::StatusCode::kInvalidArgument);
@@ -619,7 +619,7 @@ TEST(HfImportTest, MissingAndMismatchedTensorsAreNamed) {
   std::vector<WTensor> transposed = tensors;
   transposed[1].shape = {77, 129};
   const std::string path2 = tmp.Write("shape/model.safetensors", BuildFile(transposed));
-  ckpt = SafetensorsCheckpoint::Open(tmp.path() + "/shape");
+  ckpt = model::SafetensorsCheckpoint::Open(tmp.path() + "/shape");
   ASSERT_TRUE(ckpt.ok()) << ckpt.status();
   plan = PlanImport(model.manifest, **ckpt);
   EXPECT_EQ(plan.status().code(), absl::StatusCode::kInvalidArgument);
@@ -630,7 +630,7 @@ TEST(HfImportTest, MissingAndMismatchedTensorsAreNamed) {
   std::vector<WTensor> flat = tensors;
   flat[0].shape = {37, 1};
   tmp.Write("rank/model.safetensors", BuildFile(flat));
-  ckpt = SafetensorsCheckpoint::Open(tmp.path() + "/rank");
+  ckpt = model::SafetensorsCheckpoint::Open(tmp.path() + "/rank");
   ASSERT_TRUE(ckpt.ok()) << ckpt.status();
   EXPECT_THAT(std::string(PlanImport(model.manifest, **ckpt).status().message()),
               HasSubstr("shape [37, 1] does not match the model's [37]"));
@@ -642,7 +642,7 @@ TEST(HfImportTest, NonFiniteValueFailsCreateAndLeavesNoSegments) {
   const float nan = std::numeric_limits<float>::quiet_NaN();
   std::memcpy(tensors[2].bytes.data() + 4 * 4321, &nan, 4);
   tmp.Write("model.safetensors", BuildFile(tensors));
-  auto ckpt = SafetensorsCheckpoint::Open(tmp.path());
+  auto ckpt = model::SafetensorsCheckpoint::Open(tmp.path());
   ASSERT_TRUE(ckpt.ok()) << ckpt.status();
   TrainingState::Options o;
   o.instance = UniqueInstance("nan");

@@ -13,8 +13,9 @@
 #include "absl/strings/string_view.h"
 #include "common/status_macros.h"
 #include "common/thread_pool.h"
-#include "hostd/job_spec.h"
 #include "kernels/cpu/adamw.h"
+#include "model/job_spec.h"
+#include "model/layer_checksum.h"
 
 namespace slidedp::hostd {
 namespace {
@@ -93,7 +94,7 @@ absl::Status TrainingState::RemoveSegments(const Options& options) {
 
 absl::StatusOr<std::unique_ptr<TrainingState>> TrainingState::Create(const Options& options,
                                                                      ThreadPool* pool) {
-  RETURN_IF_ERROR(ValidateManifest(options.model.manifest));
+  RETURN_IF_ERROR(model::ValidateManifest(options.model.manifest));
   if (options.world_size < 1 || options.world_size > shm::kMaxRanks) {
     return absl::InvalidArgumentError(
         absl::StrCat("world_size: must be in 1..", shm::kMaxRanks, ", got ", options.world_size));
@@ -105,7 +106,7 @@ absl::StatusOr<std::unique_ptr<TrainingState>> TrainingState::Create(const Optio
 
 void TrainingState::ComputeLayout(const Options& options) {
   model_ = options.model;
-  manifest_hash_ = ManifestHash(model_.manifest);
+  manifest_hash_ = model::ManifestHash(model_.manifest);
   world_size_ = options.world_size;
   numa_node_ = options.numa_node;
 
@@ -123,7 +124,7 @@ void TrainingState::ComputeLayout(const Options& options) {
       uint64_t numel = 1;
       for (int64_t d : t.shape()) numel *= static_cast<uint64_t>(d);
       info.tensors.push_back(
-          TensorRange{t.name(), info.numel, numel, t.no_decay(), TensorInitKind(t)});
+          TensorRange{t.name(), info.numel, numel, t.no_decay(), model::TensorInitKind(t)});
       info.numel += numel;
     }
     info.state_stride = shm::AlignUp(info.numel * sizeof(float), shm::kPayloadAlign);
@@ -144,21 +145,9 @@ absl::Status TrainingState::Initialize(const Options& options, ThreadPool* pool)
   const uint64_t state_off = state_bytes_;
   const uint64_t param_off = param_bytes_;
 
-  if (const ImportPlan* plan = options.import; plan != nullptr) {
-    bool fits = plan->sources.size() == layers_.size();
-    for (size_t l = 0; fits && l < layers_.size(); ++l) {
-      fits = plan->sources[l].size() == layers_[l].tensors.size();
-      for (size_t t = 0; fits && t < layers_[l].tensors.size(); ++t) {
-        fits = plan->sources[l][t].name == layers_[l].tensors[t].name &&
-               plan->sources[l][t].tensor->numel == layers_[l].tensors[t].numel;
-      }
-    }
-    if (!fits) {
-      return absl::InvalidArgumentError(absl::StrCat("the import plan of ", plan->checkpoint,
-                                                     " was not made for this model's manifest"));
-    }
-    weights_source_ = absl::StrCat("safetensors ", plan->checkpoint);
-    if (plan->num_files > 1) absl::StrAppend(&weights_source_, " (", plan->num_files, " files)");
+  if (const InitialWeights* source = options.import; source != nullptr) {
+    RETURN_IF_ERROR(source->Check(layers_));
+    weights_source_ = source->Describe();
   } else if (options.zero_init) {
     weights_source_ = "zeros";
   } else {
@@ -190,7 +179,7 @@ absl::Status TrainingState::Initialize(const Options& options, ThreadPool* pool)
   const uint32_t nl = num_layers();
   // Until the state is complete, a failure must not leave half-made segments behind.
   uint64_t grads_bytes = 0;
-  if (options.chunk_bytes < kMinChunkBytes || options.chunk_bytes > kMaxChunkBytes ||
+  if (options.chunk_bytes < model::kMinChunkBytes || options.chunk_bytes > model::kMaxChunkBytes ||
       options.chunk_bytes % 4096 != 0 || options.grad_ring_slots < 1 ||
       options.grad_ring_slots > 1024 ||
       !shm::GradSegmentBytes(world_size_, options.grad_ring_slots, options.chunk_bytes,
@@ -263,15 +252,16 @@ absl::Status TrainingState::Initialize(const Options& options, ThreadPool* pool)
     for (size_t ti = 0; ti < info.tensors.size(); ++ti) {
       const TensorRange& t = info.tensors[ti];
       if (options.import != nullptr) {
-        RETURN_IF_ERROR(ImportTensor(options.import->sources[info.index][ti], w + t.offset, pool));
+        RETURN_IF_ERROR(
+            options.import->Fill(info.index, static_cast<uint32_t>(ti), w + t.offset, pool));
         continue;
       }
-      InitKind init = t.init;
-      if (options.zero_init && init == InitKind::kNormal) init = InitKind::kZeros;
+      model::InitKind init = t.init;
+      if (options.zero_init && init == model::InitKind::kNormal) init = model::InitKind::kZeros;
       auto fill = [&](size_t b, size_t e, int) {
         float* out = w + t.offset;
         for (size_t i = b; i < e; ++i) {
-          out[i] = InitialValue(options.seed, t.name, init, model_.initializer_range, i);
+          out[i] = model::InitialValue(options.seed, t.name, init, model_.initializer_range, i);
         }
       };
       if (pool != nullptr) {
@@ -301,7 +291,7 @@ absl::Status TrainingState::Initialize(const Options& options, ThreadPool* pool)
 }
 
 absl::StatusOr<std::unique_ptr<TrainingState>> TrainingState::Open(const Options& options) {
-  RETURN_IF_ERROR(ValidateManifest(options.model.manifest));
+  RETURN_IF_ERROR(model::ValidateManifest(options.model.manifest));
   if (options.world_size < 1 || options.world_size > shm::kMaxRanks) {
     return absl::InvalidArgumentError(
         absl::StrCat("world_size: must be in 1..", shm::kMaxRanks, ", got ", options.world_size));
@@ -354,8 +344,9 @@ absl::StatusOr<std::unique_ptr<TrainingState>> TrainingState::Open(const Options
       if (field == "kind") return mismatch(field, h.kind, static_cast<uint32_t>(w.kind));
       if (field == "size_bytes") return mismatch(field, h.size_bytes, size);
       if (field == "manifest_hash") {
-        return mismatch("manifest_hash (another model's state)", ManifestHashHex(h.manifest_hash),
-                        ManifestHashHex(s->manifest_hash_));
+        return mismatch("manifest_hash (another model's state)",
+                        model::ManifestHashHex(h.manifest_hash),
+                        model::ManifestHashHex(s->manifest_hash_));
       }
       return mismatch(field, h.payload_offset, shm::kHeaderBytes);
     }
@@ -473,22 +464,9 @@ void TrainingState::PublishLayer(uint32_t layer, uint64_t version) const {
   FutexWakeAll(&lc.wake_seq);
 }
 
-uint64_t LayerStateChecksum(uint32_t layer, const float* master, const float* m, const float* v,
-                            const uint16_t* params, uint64_t n) {
-  XXH64_state_t* st = XXH64_createState();
-  XXH64_reset(st, layer);
-  XXH64_update(st, master, n * sizeof(float));
-  XXH64_update(st, m, n * sizeof(float));
-  XXH64_update(st, v, n * sizeof(float));
-  XXH64_update(st, params, n * sizeof(uint16_t));
-  const uint64_t h = XXH64_digest(st);
-  XXH64_freeState(st);
-  return h;
-}
-
 uint64_t TrainingState::LayerChecksum(uint32_t layer) const {
-  return LayerStateChecksum(layer, master(layer), exp_avg(layer), exp_avg_sq(layer), params(layer),
-                            layers_[layer].numel);
+  return model::LayerStateChecksum(layer, master(layer), exp_avg(layer), exp_avg_sq(layer),
+                                   params(layer), layers_[layer].numel);
 }
 
 uint64_t TrainingState::Checksum() const {

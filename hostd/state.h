@@ -7,7 +7,8 @@
 // Layer regions start on page boundaries so ranks can register and DMA them in chunks.
 //
 // Create() sizes, binds, populates and locks the segments (see ShmSegment), then initializes
-// the weights: imported from an HF safetensors checkpoint (Options::import, see hf_import.h),
+// the weights: from an InitialWeights source (Options::import: hf_import.h's ImportPlan reads an
+// HF safetensors checkpoint; the state knows no file format),
 // or deterministically from the seed: element i of tensor T gets a value that depends only on
 // (seed, T's name, i), so the init does not depend on thread count or layer order. Norm weights
 // are 1, biases 0, other tensors N(0, initializer_range). m = v = 0, every layer at version 0,
@@ -29,10 +30,10 @@
 #include <string>
 #include <vector>
 
+#include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "common/shm_segment.h"
-#include "hostd/hf_import.h"
-#include "hostd/manifest.h"
+#include "model/manifest.h"
 #include "proto/shm_abi.h"
 
 namespace slidedp {
@@ -46,7 +47,7 @@ struct TensorRange {
   uint64_t offset = 0;  // elements from the start of the layer
   uint64_t numel = 0;
   bool no_decay = false;
-  InitKind init = InitKind::kNormal;
+  model::InitKind init = model::InitKind::kNormal;
 };
 
 struct LayerInfo {
@@ -63,16 +64,26 @@ struct LayerInfo {
 
 std::string SegmentName(const std::string& instance, shm::SegmentKind kind);
 
-// xxh64 (seed = layer index) over a layer's master, m, v (FP32) and params (BF16), in that
-// order: TrainingState::LayerChecksum, and what reference trainers compute to compare with hostd.
-uint64_t LayerStateChecksum(uint32_t layer, const float* master, const float* m, const float* v,
-                            const uint16_t* params, uint64_t n);
+// Where a new state's initial weights come from when not from the seed. TrainingState::Create
+// calls Check once with the layout before any segment is created (an error fails Create and
+// nothing is left behind), then Fill for every tensor of every layer, in order, writing
+// `numel` FP32 values to `dst`; m, v and the BF16 params follow from the filled master as for a
+// random init. Implementations must outlive Create; Fill may split its work over `pool`.
+class InitialWeights {
+ public:
+  virtual ~InitialWeights() = default;
+  virtual absl::Status Check(const std::vector<LayerInfo>& layers) const = 0;
+  // What GetStatus shows as the weights' source, e.g. "safetensors /m/model.safetensors".
+  virtual std::string Describe() const = 0;
+  virtual absl::Status Fill(uint32_t layer, uint32_t tensor, float* dst,
+                            ThreadPool* pool) const = 0;
+};
 
 class TrainingState {
  public:
   struct Options {
     std::string instance = "default";
-    LoadedModel model;
+    model::LoadedModel model;
     uint32_t world_size = 1;
     int numa_node = -1;
     mode_t mode = 0600;                    // control, params, grads: shm_mode (0600 or 0660)
@@ -80,9 +91,9 @@ class TrainingState {
     MlockPolicy mlock = MlockPolicy::kRequired;
     uint64_t seed = 0;
     bool zero_init = false;  // "init = zeros": every tensor 0 except norms (1)
-    // Initial weights from a checkpoint instead of the seed: a plan from PlanImport for
-    // model.manifest, which must outlive Create (not the state).
-    const ImportPlan* import = nullptr;
+    // Initial weights from elsewhere instead of the seed (e.g. a plan from PlanImport for
+    // model.manifest), which must outlive Create (not the state).
+    const InitialWeights* import = nullptr;
     uint64_t instance_nonce = 0;
     // Gradient staging: per rank a ring of grad_ring_slots chunks of chunk_bytes.
     uint64_t chunk_bytes = 1 << 20;
@@ -132,7 +143,7 @@ class TrainingState {
   TrainingState(const TrainingState&) = delete;
   TrainingState& operator=(const TrainingState&) = delete;
 
-  const LoadedModel& model() const { return model_; }
+  const model::LoadedModel& model() const { return model_; }
   uint64_t manifest_hash() const { return manifest_hash_; }
   uint32_t world_size() const { return world_size_; }
   int numa_node() const { return numa_node_; }
@@ -190,7 +201,7 @@ class TrainingState {
   // data segments' byte sizes from `options` (no memory is touched).
   void ComputeLayout(const Options& options);
 
-  LoadedModel model_;
+  model::LoadedModel model_;
   uint64_t manifest_hash_ = 0;
   uint32_t world_size_ = 1;
   int numa_node_ = -1;

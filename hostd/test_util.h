@@ -7,7 +7,7 @@
 #include <string>
 
 #include "absl/strings/str_cat.h"
-#include "hostd/manifest.h"
+#include "model/manifest.h"
 
 namespace slidedp::hostd::testing {
 
@@ -31,8 +31,8 @@ inline gid_t OtherGroup() {
 
 // A two-layer model: layer 0 holds a norm weight (no decay) and a 2-D weight; layer 1 one
 // weight. Sizes hit kernel tails and span several stats blocks.
-inline LoadedModel SmallModel() {
-  LoadedModel m;
+inline model::LoadedModel SmallModel() {
+  model::LoadedModel m;
   auto* man = &m.manifest;
   man->set_family("test");
   man->set_name("small");

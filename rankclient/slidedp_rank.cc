@@ -8,8 +8,8 @@
 #include <string>
 
 #include "absl/strings/str_cat.h"
-#include "hostd/lr_schedule.h"
-#include "hostd/manifest.h"
+#include "model/lr_schedule.h"
+#include "model/manifest.h"
 #include "nlohmann/json.hpp"
 #include "rankclient/rank_client.h"
 #ifdef SLIDEDP_RANK_WITH_GPU
@@ -84,10 +84,10 @@ int CopyOut(const std::string& text, char* out, size_t out_len, absl::string_vie
 }
 
 // The model of an HF config.json text, or of a built-in ("tiny", "tiny-tied").
-absl::StatusOr<slidedp::hostd::LoadedModel> ModelOfConfig(const std::string& text) {
+absl::StatusOr<slidedp::model::LoadedModel> ModelOfConfig(const std::string& text) {
   return (text == "tiny" || text == "tiny-tied")
-             ? slidedp::hostd::LoadModel(text)
-             : slidedp::hostd::ManifestFromHfConfig(text, "config.json");
+             ? slidedp::model::LoadModel(text)
+             : slidedp::model::ManifestFromHfConfig(text, "config.json");
 }
 
 }  // namespace
@@ -101,7 +101,7 @@ int slidedp_manifest_hash_from_hf_config(const char* config, char* out, size_t o
     auto model = ModelOfConfig(config);
     if (!model.ok()) return Fail(model.status());
     const std::string hex =
-        slidedp::hostd::ManifestHashHex(slidedp::hostd::ManifestHash(model->manifest));
+        slidedp::model::ManifestHashHex(slidedp::model::ManifestHash(model->manifest));
     std::memcpy(out, hex.c_str(), hex.size() + 1);
     return Ok();
   });
@@ -255,7 +255,7 @@ int slidedp_rank_optimizer_json(const slidedp_rank* h, uint64_t step, char* out,
   if (!st.ok()) return Fail(st.status());
   const slidedp::v1::OptimizerConfig& o = st->optimizer();
   nlohmann::json j;
-  j["lr"] = slidedp::hostd::LearningRate(o, step);
+  j["lr"] = slidedp::model::LearningRate(o, step);
   j["beta1"] = o.beta1();
   j["beta2"] = o.beta2();
   j["eps"] = o.eps();

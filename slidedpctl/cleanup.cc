@@ -8,7 +8,7 @@
 #include "common/instance_files.h"
 #include "common/shm_segment.h"
 #include "nlohmann/json.hpp"
-#include "slidedpctl/ctl.h"
+#include "slidedpctl/exit_codes.h"
 
 namespace slidedp::ctl {
 namespace {

@@ -23,9 +23,9 @@
 #include "absl/strings/string_view.h"
 #include "common/tcp_auth.h"
 #include "common/version.h"
-#include "hostd/checkpoint_format.h"
-#include "hostd/config.h"
-#include "hostd/manifest.h"
+#include "model/checkpoint_format.h"
+#include "model/defaults.h"
+#include "model/manifest.h"
 #include "slidedpctl/cleanup.h"
 #include "slidedpctl/client.h"
 #include "slidedpctl/estimate.h"
@@ -370,7 +370,7 @@ int RunCheckpoint(const Context& ctx, const std::string& job_id, bool no_wait,
 // No hostd involved: reads the directory.
 int RunCheckpoints(const std::string& dir, bool verify, bool json, std::ostream& out,
                    std::ostream& err) {
-  absl::StatusOr<std::vector<hostd::CheckpointListing>> list = hostd::ListCheckpoints(dir, verify);
+  absl::StatusOr<std::vector<model::CheckpointListing>> list = model::ListCheckpoints(dir, verify);
   if (!list.ok()) {
     err << "slidedpctl: --dir: " << list.status().message() << '\n';
     return kExitUsage;
@@ -423,7 +423,7 @@ int RunEstimate(const EstimateOptions& o, bool json, std::ostream& out, std::ost
   inputs.window_slots = o.window_slots;
   inputs.nondecoder =
       o.nondecoder == "streamed" ? NonDecoderPlacement::kStreamed : NonDecoderPlacement::kResident;
-  inputs.chunk_bytes = hostd::DefaultRoutes().chunk_bytes();
+  inputs.chunk_bytes = model::DefaultRoutes().chunk_bytes();
   if (!o.gpu_memory.empty()) {
     std::optional<uint64_t> bytes = ParseByteSize(o.gpu_memory);
     if (!bytes) {
@@ -437,7 +437,7 @@ int RunEstimate(const EstimateOptions& o, bool json, std::ostream& out, std::ost
     inputs.gpu_memory = smi;
     inputs.gpu_memory_source = "nvidia-smi";
   }
-  absl::StatusOr<hostd::LoadedModel> model = hostd::LoadModel(o.model);
+  absl::StatusOr<model::LoadedModel> model = model::LoadModel(o.model);
   if (!model.ok()) {
     err << "slidedpctl: --model: " << model.status().message() << '\n';
     return kExitUsage;

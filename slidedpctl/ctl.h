@@ -28,19 +28,9 @@
 #include <string>
 #include <vector>
 
+#include "slidedpctl/exit_codes.h"
+
 namespace slidedp::ctl {
-
-inline constexpr int kExitOk = 0;
-inline constexpr int kExitInternal = 1;
-inline constexpr int kExitUsage = 2;
-inline constexpr int kExitUnreachable = 3;
-inline constexpr int kExitRejected = 4;
-inline constexpr int kExitNoFit = 5;
-inline constexpr int kExitTimedOut = 6;
-
-inline constexpr char kDefaultSocket[] = "/run/slidedp/hostd.sock";
-inline constexpr char kSocketEnv[] = "SLIDEDP_SOCKET";
-inline constexpr int kDefaultTimeoutMs = 5000;
 
 // Runs one invocation. `args` are the command-line arguments without the program name, e.g.
 // {"--socket", "/tmp/h.sock", "layers", "--json"}. Returns the exit code above.

@@ -54,7 +54,7 @@ EstimateFigure Checked(std::string key, std::string label, uint64_t value,
 
 }  // namespace
 
-absl::StatusOr<Estimate> ComputeEstimate(const hostd::LoadedModel& model,
+absl::StatusOr<Estimate> ComputeEstimate(const model::LoadedModel& model,
                                          const EstimateInputs& inputs, const MachineInfo& machine) {
   const v1::ModelManifest& m = model.manifest;
   Estimate e;
@@ -69,7 +69,7 @@ absl::StatusOr<Estimate> ComputeEstimate(const hostd::LoadedModel& model,
   uint64_t params = shm::kHeaderBytes;
   bool have_embed = false;
   for (const v1::LayerSpec& layer : m.layers()) {
-    const uint64_t n = hostd::LayerNumel(layer);
+    const uint64_t n = model::LayerNumel(layer);
     e.parameters = Add(e.parameters, n);
     // Exactly hostd's layout (hostd/state.cc): FP32 master, m, v each page-aligned, BF16 params
     // page-aligned, a 4 KiB header per segment.

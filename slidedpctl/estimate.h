@@ -1,6 +1,6 @@
 // `slidedpctl estimate` and `slidedpctl doctor`: preflight checks that need no running hostd.
 //
-// estimate: from a model manifest (hostd::LoadModel: "tiny", a directory or a config.json) and
+// estimate: from a model manifest (model::LoadModel: "tiny", a directory or a config.json) and
 // the planned world size, per-rank batch and sequence length, the memory hostd and each rank
 // will need, each figure compared with what this machine offers:
 //   hostd shared memory  control + state (FP32 master, m, v: 12 B/param) + params (BF16: 2 B/param)
@@ -35,7 +35,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "hostd/manifest.h"
+#include "model/manifest.h"
 #include "nlohmann/json.hpp"
 #include "slidedpctl/machine.h"
 
@@ -108,7 +108,7 @@ struct Estimate {
 };
 
 // INVALID_ARGUMENT when the manifest lacks model.embed_tokens or an mlp.gate_proj.weight.
-absl::StatusOr<Estimate> ComputeEstimate(const hostd::LoadedModel& model,
+absl::StatusOr<Estimate> ComputeEstimate(const model::LoadedModel& model,
                                          const EstimateInputs& inputs, const MachineInfo& machine);
 
 // {"model": {...}, "inputs": {...}, "machine": {...}, "figures": {key: {label, value, unit,

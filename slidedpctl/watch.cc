@@ -7,7 +7,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "nlohmann/json.hpp"
-#include "slidedpctl/ctl.h"
+#include "slidedpctl/exit_codes.h"
 
 namespace slidedp::ctl {
 namespace {

@@ -74,7 +74,7 @@ ADOPT_RE = re.compile(r"re-adopted job default at step (\d+)")
 FRESH_RE = re.compile(r"starting job default fresh at step 0")
 # hostd/engine.cc, after a restore (the recovery of an inconsistent state, or --resume).
 RESTORE_RE = re.compile(r"resumed from checkpoint (\S+) \(step (\d+),")
-# hostd/checkpoint_format.h: <dir>/step-<t zero-padded to 12>.<instance>.<job>[.tmp]/ (formats
+# model/checkpoint_format.h: <dir>/step-<t zero-padded to 12>.<instance>.<job>[.tmp]/ (formats
 # 1 and 2: step-<t>[.tmp]/), the commit marker COMMITTED written last, holding
 # "slidedp-checkpoint <format> step <t> meta_xxh64 <hex>".
 CKPT_DIR_RE = re.compile(r"^step-(\d+)(?:\.[A-Za-z0-9_~-]+\.[A-Za-z0-9_~-]+)?(\.tmp)?$")

@@ -33,7 +33,7 @@
 #include "bench/adam/json_writer.h"
 #include "common/thread_pool.h"
 #include "hostd/checkpoint.h"
-#include "hostd/manifest.h"
+#include "model/manifest.h"
 #include "hostd/optimizer.h"
 #include "hostd/state.h"
 #include "kernels/cpu/adamw.h"
@@ -85,8 +85,8 @@ int Usage(const char* why) {
   return 2;
 }
 
-LoadedModel SyntheticModel(const Args& a) {
-  LoadedModel m;
+model::LoadedModel SyntheticModel(const Args& a) {
+  model::LoadedModel m;
   m.manifest.set_family("bench");
   m.manifest.set_name("capture_bench");
   for (uint32_t l = 0; l < a.layers; ++l) {
@@ -100,7 +100,7 @@ LoadedModel SyntheticModel(const Args& a) {
   }
   m.initializer_range = 0.02;
   m.source = "capture_bench";
-  m.manifest.set_manifest_hash(ManifestHashHex(ManifestHash(m.manifest)));
+  m.manifest.set_manifest_hash(model::ManifestHashHex(model::ManifestHash(m.manifest)));
   return m;
 }
 
@@ -135,7 +135,7 @@ int Run(const Args& a) {
   cfg.set_beta2(0.999);
   cfg.set_eps(1e-8);
   cfg.set_weight_decay(0.01);
-  cfg = *NormalizeOptimizerConfig(cfg);
+  cfg = *model::NormalizeOptimizerConfig(cfg);
   UpdateWorker worker(state.get(), pool->get(), {kernels::BestIsa(), 1 << 20}, cfg);
   Checkpointer::Options co;
   co.keep_last = 1;
@@ -201,9 +201,9 @@ int Run(const Args& a) {
       }
     }
     if (step == next_at && cks.size() < a.checkpoints) {
-      CheckpointInfo info;
+      model::CheckpointInfo info;
       info.job_id = "bench";
-      info.manifest_hash = ManifestHashHex(state->manifest_hash());
+      info.manifest_hash = model::ManifestHashHex(state->manifest_hash());
       *info.spec.mutable_manifest() = state->model().manifest;
       *info.spec.mutable_optimizer() = cfg;
       info.spec.set_world_size(1);

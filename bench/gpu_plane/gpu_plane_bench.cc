@@ -31,7 +31,7 @@
 #include "absl/strings/str_cat.h"
 #include "bench/gpu_plane/spin.h"
 #include "common/status_macros.h"
-#include "hostd/manifest.h"
+#include "model/manifest.h"
 #include "kernels/cuda/cuda_kernels.h"
 #include "kernels/cuda/cuda_status.h"
 #include "nlohmann/json.hpp"

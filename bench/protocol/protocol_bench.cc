@@ -16,7 +16,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "hostd/manifest.h"
+#include "model/manifest.h"
 #include "rankclient/rank_client.h"
 
 namespace {
@@ -100,7 +100,7 @@ int main(int argc, char** argv) {
   slidedp::rankclient::RankClient::Options o;
   o.socket = socket;
   o.rank = rank;
-  o.manifest_hash = slidedp::hostd::ManifestHashHex(slidedp::hostd::ManifestHash(spec.manifest()));
+  o.manifest_hash = slidedp::model::ManifestHashHex(slidedp::model::ManifestHash(spec.manifest()));
   absl::StatusOr<std::unique_ptr<slidedp::rankclient::RankClient>> client;
   for (int tries = 0; tries < 300; ++tries) {  // the job may not exist yet
     client = slidedp::rankclient::RankClient::Attach(o);

@@ -30,7 +30,7 @@
 
 #include "absl/status/status.h"
 #include "examples/native_trainer/mlp_task.h"
-#include "hostd/manifest.h"
+#include "model/manifest.h"
 #include "kernels/cpu/bf16.h"
 
 namespace slidedp::examples {
@@ -86,8 +86,8 @@ std::vector<std::vector<uint16_t>> RandomParams(const MlpConfig& c) {
     for (uint64_t i = 0; i < p[l].size(); ++i) {
       const bool weight = i < dd;
       p[l][i] = kernels::RoundToBf16(
-          hostd::InitialValue(1234, MlpLayerName(l) + (weight ? ".weight" : ".bias"),
-                              hostd::InitKind::kNormal, weight ? w_std : 0.1, weight ? i : i - dd));
+          model::InitialValue(1234, MlpLayerName(l) + (weight ? ".weight" : ".bias"),
+                              model::InitKind::kNormal, weight ? w_std : 0.1, weight ? i : i - dd));
     }
   }
   return p;

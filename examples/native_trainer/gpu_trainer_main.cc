@@ -35,7 +35,7 @@
 #include "examples/native_trainer/gpu_mlp.h"
 #include "examples/native_trainer/mlp_flags.h"
 #include "examples/native_trainer/mlp_task.h"
-#include "hostd/manifest.h"
+#include "model/manifest.h"
 #include "kernels/cuda/cuda_status.h"
 #include "rankclient/gpu_plane.h"
 #include "rankclient/rank_client.h"
@@ -115,7 +115,7 @@ absl::Status GpuTrainer::Attach() {
   o.socket = f_.socket;
   o.rank = f_.rank;
   o.gpu = f_.gpu;
-  o.manifest_hash = hostd::ManifestHashHex(hostd::ManifestHash(MlpManifest(f_.run.model)));
+  o.manifest_hash = model::ManifestHashHex(model::ManifestHash(MlpManifest(f_.run.model)));
   o.timeout_ms = f_.timeout_ms;
   ASSIGN_OR_RETURN(client_, RankClient::AttachWhenReady(o, kJobWait));
   if (client_->world_size() != f_.run.world_size) {

@@ -6,7 +6,7 @@
 #include <cstdlib>
 
 #include "absl/strings/str_cat.h"
-#include "hostd/manifest.h"
+#include "model/manifest.h"
 #include "kernels/cpu/bf16.h"
 
 namespace slidedp::examples {
@@ -136,11 +136,11 @@ MlpTask::MlpTask(const MlpConfig& config) : config_(config) {
     const std::string w = absl::StrCat("teacher.", l, ".weight");
     const std::string b = absl::StrCat("teacher.", l, ".bias");
     for (uint64_t i = 0; i < uint64_t{d} * d; ++i) {
-      p[i] = hostd::InitialValue(config_.seed + 1, w, hostd::InitKind::kNormal, w_std, i);
+      p[i] = model::InitialValue(config_.seed + 1, w, model::InitKind::kNormal, w_std, i);
     }
     for (uint32_t i = 0; i < d; ++i) {
       p[uint64_t{d} * d + i] =
-          hostd::InitialValue(config_.seed + 1, b, hostd::InitKind::kNormal, 0.1, i);
+          model::InitialValue(config_.seed + 1, b, model::InitKind::kNormal, 0.1, i);
     }
   }
 }

@@ -6,7 +6,7 @@
 #include <cstring>
 #include <vector>
 
-#include "hostd/manifest.h"
+#include "model/manifest.h"
 #include "kernels/cpu/bf16.h"
 
 namespace slidedp::examples {
@@ -26,7 +26,7 @@ std::vector<std::vector<float>> RandomParams(const MlpConfig& c) {
   std::vector<std::vector<float>> p(c.layers, std::vector<float>(MlpLayerNumel(c.dim)));
   for (uint32_t l = 0; l < c.layers; ++l) {
     for (size_t i = 0; i < p[l].size(); ++i) {
-      p[l][i] = hostd::InitialValue(99, MlpLayerName(l), hostd::InitKind::kNormal, 0.5, i);
+      p[l][i] = model::InitialValue(99, MlpLayerName(l), model::InitKind::kNormal, 0.5, i);
     }
   }
   return p;
@@ -52,7 +52,7 @@ std::vector<std::vector<float>> GradAt(const MlpTask& task,
 TEST(MlpTaskTest, ManifestMatchesTheContract) {
   MlpConfig c = Small();
   const slidedp::v1::ModelManifest m = MlpManifest(c);
-  ASSERT_TRUE(hostd::ValidateManifest(m).ok());
+  ASSERT_TRUE(model::ValidateManifest(m).ok());
   ASSERT_EQ(m.layers_size(), 3);
   for (int i = 0; i < 3; ++i) {
     const auto& l = m.layers(i);
@@ -65,10 +65,10 @@ TEST(MlpTaskTest, ManifestMatchesTheContract) {
     EXPECT_EQ(l.tensors(0).dtype(), slidedp::v1::DTYPE_BF16);
     EXPECT_EQ(l.tensors(1).name(), l.name() + ".bias");
     EXPECT_TRUE(l.tensors(1).no_decay());
-    EXPECT_EQ(hostd::LayerNumel(l), MlpLayerNumel(5));
+    EXPECT_EQ(model::LayerNumel(l), MlpLayerNumel(5));
   }
   c.dim = 6;
-  EXPECT_NE(hostd::ManifestHash(MlpManifest(c)), hostd::ManifestHash(m));
+  EXPECT_NE(model::ManifestHash(MlpManifest(c)), model::ManifestHash(m));
 }
 
 TEST(MlpTaskTest, JobSpecAsTheIssueAsks) {

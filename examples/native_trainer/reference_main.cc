@@ -26,11 +26,12 @@
 #include "common/status_macros.h"
 #include "examples/native_trainer/mlp_flags.h"
 #include "examples/native_trainer/mlp_task.h"
-#include "hostd/manifest.h"
-#include "hostd/optimizer.h"
-#include "hostd/state.h"
 #include "kernels/cpu/adamw.h"
 #include "kernels/cpu/bf16.h"
+#include "model/job_spec.h"
+#include "model/layer_checksum.h"
+#include "model/lr_schedule.h"
+#include "model/manifest.h"
 
 namespace slidedp::examples {
 namespace {
@@ -53,7 +54,7 @@ absl::Status Run(const MlpRunFlags& f, const std::string& out_path, const std::s
   if (switch_step > 0) RETURN_IF_ERROR(ValidateMlpConfig(f.model, switch_world));
   const v1::JobSpec spec = MlpJobSpec(f.model, f.optimizer, f.world_size, /*chunk_bytes=*/65536);
   ASSIGN_OR_RETURN(const v1::OptimizerConfig cfg,
-                   hostd::NormalizeOptimizerConfig(spec.optimizer()));
+                   model::NormalizeOptimizerConfig(spec.optimizer()));
   const v1::ModelManifest& manifest = spec.manifest();
   const MlpTask task(f.model);
   const uint32_t layers = f.model.layers;
@@ -70,11 +71,11 @@ absl::Status Run(const MlpRunFlags& f, const std::string& out_path, const std::s
     s.params.resize(numel);
     uint64_t offset = 0;
     for (const v1::TensorSpec& t : manifest.layers(static_cast<int>(l)).tensors()) {
-      const uint64_t n = hostd::TensorNumel(t);
-      const hostd::InitKind kind = hostd::TensorInitKind(t);
+      const uint64_t n = model::TensorNumel(t);
+      const model::InitKind kind = model::TensorInitKind(t);
       for (uint64_t i = 0; i < n; ++i) {
         s.master[offset + i] =
-            hostd::InitialValue(f.model.seed, t.name(), kind, kInitializerRange, i);
+            model::InitialValue(f.model.seed, t.name(), kind, kInitializerRange, i);
       }
       offset += n;
     }
@@ -102,12 +103,12 @@ absl::Status Run(const MlpRunFlags& f, const std::string& out_path, const std::s
       }
     }
     losses.push_back(loss);
-    const double lr = hostd::LearningRate(cfg, t);
+    const double lr = model::LearningRate(cfg, t);
     for (uint32_t l = 0; l < layers; ++l) {
       LayerState& s = state[l];
       uint64_t offset = 0;
       for (const v1::TensorSpec& ts : manifest.layers(static_cast<int>(l)).tensors()) {
-        const uint64_t n = hostd::TensorNumel(ts);
+        const uint64_t n = model::TensorNumel(ts);
         const double wd =
             cfg.no_decay_norms_and_biases() && ts.no_decay() ? 0.0 : cfg.weight_decay();
         const kernels::AdamWScalars k =
@@ -124,7 +125,7 @@ absl::Status Run(const MlpRunFlags& f, const std::string& out_path, const std::s
   std::string json = "{\"layers\":[";
   for (uint32_t l = 0; l < layers; ++l) {
     const LayerState& s = state[l];
-    const uint64_t sum = hostd::LayerStateChecksum(l, s.master.data(), s.m.data(), s.v.data(),
+    const uint64_t sum = model::LayerStateChecksum(l, s.master.data(), s.m.data(), s.v.data(),
                                                    s.params.data(), numel);
     std::printf("layer %u %s checksum %016llx\n", l, MlpLayerName(l).c_str(),
                 static_cast<unsigned long long>(sum));

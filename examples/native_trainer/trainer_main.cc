@@ -39,7 +39,7 @@
 #include "common/status_macros.h"
 #include "examples/native_trainer/mlp_flags.h"
 #include "examples/native_trainer/mlp_task.h"
-#include "hostd/manifest.h"
+#include "model/manifest.h"
 #include "rankclient/rank_client.h"
 
 namespace slidedp::examples {
@@ -112,7 +112,7 @@ absl::Status Trainer::Attach() {
   RankClient::Options o;
   o.socket = f_.socket;
   o.rank = f_.rank;
-  o.manifest_hash = hostd::ManifestHashHex(hostd::ManifestHash(MlpManifest(f_.run.model)));
+  o.manifest_hash = model::ManifestHashHex(model::ManifestHash(MlpManifest(f_.run.model)));
   o.timeout_ms = f_.timeout_ms;
   ASSIGN_OR_RETURN(client_, RankClient::AttachWhenReady(o, kJobWait));
   return absl::OkStatus();

@@ -6,7 +6,7 @@
 
 #include "slidedp/v1/control.pb.h"
 
-namespace slidedp::hostd {
+namespace slidedp::model {
 
 // LR for the 1-based update `step`, following Hugging Face's schedulers (s = step - 1):
 //   warm-up (s < warmup_steps): lr * s / warmup_steps
@@ -15,4 +15,4 @@ namespace slidedp::hostd {
 // with the decay part floored at min_lr_ratio: f' = min_lr_ratio + (1 - min_lr_ratio) * f.
 double LearningRate(const slidedp::v1::OptimizerConfig& cfg, uint64_t step);
 
-}  // namespace slidedp::hostd
+}  // namespace slidedp::model

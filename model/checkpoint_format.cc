@@ -1,4 +1,4 @@
-#include "hostd/checkpoint_format.h"
+#include "model/checkpoint_format.h"
 
 #include <fcntl.h>
 #include <google/protobuf/util/json_util.h>
@@ -21,10 +21,10 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "common/status_macros.h"
-#include "hostd/job_spec.h"
+#include "model/job_spec.h"
 #include "nlohmann/json.hpp"
 
-namespace slidedp::hostd {
+namespace slidedp::model {
 namespace fs = std::filesystem;
 namespace {
 
@@ -798,4 +798,4 @@ absl::StatusOr<std::vector<std::string>> PruneCheckpoints(const std::string& dir
   return removed;
 }
 
-}  // namespace slidedp::hostd
+}  // namespace slidedp::model

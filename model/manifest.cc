@@ -1,4 +1,4 @@
-#include "hostd/manifest.h"
+#include "model/manifest.h"
 
 #include <xxhash.h>
 
@@ -18,10 +18,10 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/substitute.h"
 #include "common/status_macros.h"
-#include "hostd/job_spec.h"
+#include "model/job_spec.h"
 #include "nlohmann/json.hpp"
 
-namespace slidedp::hostd {
+namespace slidedp::model {
 namespace {
 
 using ::nlohmann::json;
@@ -558,4 +558,4 @@ float InitialValue(uint64_t seed, std::string_view tensor_name, InitKind kind, d
   return static_cast<float>(std_dev) * static_cast<float>(n);
 }
 
-}  // namespace slidedp::hostd
+}  // namespace slidedp::model

@@ -1,10 +1,10 @@
-#include "hostd/lr_schedule.h"
+#include "model/lr_schedule.h"
 
 #include <algorithm>
 #include <cmath>
 #include <numbers>
 
-namespace slidedp::hostd {
+namespace slidedp::model {
 
 double LearningRate(const slidedp::v1::OptimizerConfig& cfg, uint64_t step) {
   const double lr = cfg.lr();
@@ -28,4 +28,4 @@ double LearningRate(const slidedp::v1::OptimizerConfig& cfg, uint64_t step) {
   return lr * (cfg.min_lr_ratio() + (1.0 - cfg.min_lr_ratio()) * f);
 }
 
-}  // namespace slidedp::hostd
+}  // namespace slidedp::model

@@ -1,4 +1,4 @@
-#include "hostd/job_spec.h"
+#include "model/job_spec.h"
 
 #include <algorithm>
 #include <charconv>
@@ -7,7 +7,7 @@
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 
-namespace slidedp::hostd {
+namespace slidedp::model {
 namespace {
 
 using slidedp::v1::OptimizerConfig;
@@ -236,4 +236,4 @@ absl::StatusOr<slidedp::v1::JobSpec> NormalizeJobSpec(slidedp::v1::JobSpec spec,
   return spec;
 }
 
-}  // namespace slidedp::hostd
+}  // namespace slidedp::model

@@ -47,7 +47,7 @@
 #include "absl/status/statusor.h"
 #include "slidedp/v1/control.pb.h"
 
-namespace slidedp::hostd {
+namespace slidedp::model {
 
 // This hostd writes format 3 and reads formats 1 to 3.
 inline constexpr uint32_t kCheckpointFormatVersion = 3;
@@ -239,4 +239,4 @@ class CheckpointDirWriter {
   std::vector<CheckpointFile> files_;
 };
 
-}  // namespace slidedp::hostd
+}  // namespace slidedp::model

@@ -1,4 +1,4 @@
-#include "hostd/safetensors.h"
+#include "model/safetensors.h"
 
 #include <fcntl.h>
 #include <sys/stat.h>
@@ -18,7 +18,7 @@
 #include "common/status_macros.h"
 #include "nlohmann/json.hpp"
 
-namespace slidedp::hostd {
+namespace slidedp::model {
 namespace {
 
 static_assert(std::endian::native == std::endian::little,
@@ -752,4 +752,4 @@ absl::StatusOr<std::unique_ptr<SafetensorsCheckpoint>> SafetensorsCheckpoint::Op
   return ckpt;
 }
 
-}  // namespace slidedp::hostd
+}  // namespace slidedp::model

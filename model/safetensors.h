@@ -42,7 +42,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 
-namespace slidedp::hostd {
+namespace slidedp::model {
 
 // The largest JSON header accepted (the reference implementation uses the same limit).
 inline constexpr uint64_t kSafetensorsMaxHeaderBytes = uint64_t{100} << 20;
@@ -157,4 +157,4 @@ class SafetensorsCheckpoint {
   std::map<std::string, Entry, std::less<>> tensors_;
 };
 
-}  // namespace slidedp::hostd
+}  // namespace slidedp::model

@@ -1,4 +1,4 @@
-#include "hostd/manifest.h"
+#include "model/manifest.h"
 
 #include <stdlib.h>
 
@@ -14,7 +14,7 @@
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
 
-namespace slidedp::hostd {
+namespace slidedp::model {
 namespace {
 
 using ::nlohmann::json;
@@ -782,4 +782,4 @@ TEST(NumelTest, Counts) {
 }
 
 }  // namespace
-}  // namespace slidedp::hostd
+}  // namespace slidedp::model

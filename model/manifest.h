@@ -24,7 +24,7 @@
 #include "absl/status/statusor.h"
 #include "slidedp/v1/control.pb.h"
 
-namespace slidedp::hostd {
+namespace slidedp::model {
 
 // Limits enforced by ValidateManifest (and by ManifestFromHfConfig before building layers).
 inline constexpr int kMaxManifestLayers = 100000;
@@ -108,4 +108,4 @@ float InitialValue(uint64_t seed, std::string_view tensor_name, InitKind kind, d
 // True for the tensors that ManifestFromHfConfig marks no_decay (norm weights and biases).
 bool IsNormOrBias(std::string_view tensor_name);
 
-}  // namespace slidedp::hostd
+}  // namespace slidedp::model

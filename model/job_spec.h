@@ -30,7 +30,7 @@
 #include "proto/shm_abi.h"
 #include "slidedp/v1/control.pb.h"
 
-namespace slidedp::hostd {
+namespace slidedp::model {
 
 inline constexpr uint64_t kMinChunkBytes = uint64_t{4} << 10;
 inline constexpr uint64_t kMaxChunkBytes = uint64_t{1} << 30;
@@ -88,4 +88,4 @@ std::string FormatSetting(double d);
 // instead of the answer.
 std::string ShownText(absl::string_view text, size_t max_bytes = 80);
 
-}  // namespace slidedp::hostd
+}  // namespace slidedp::model
