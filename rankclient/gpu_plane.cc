@@ -35,7 +35,7 @@ absl::Status NcclStatus(ncclResult_t r, absl::string_view what) {
                                          ncclGetErrorString(r), "): ", ncclGetLastError(nullptr)));
 }
 
-size_t DTypeBytes(int dtype) { return dtype == 1 ? 4 : 2; }
+size_t DTypeBytes(int dtype) { return shm::DTypeBytes(static_cast<shm::DType>(dtype)); }
 ncclDataType_t NcclType(int dtype) { return dtype == 1 ? ncclFloat32 : ncclBfloat16; }
 
 absl::StatusOr<cudaEvent_t> NewEvent(bool blocking) {
@@ -660,7 +660,7 @@ absl::Status GpuDataPlane::PushGrad(uint64_t step, uint32_t layer, const void* g
     std::lock_guard<std::mutex> l(m.mu);
     if (!m.error.ok()) return ReportErrorLocked();
   }
-  if (dtype != 1 && dtype != 2) {
+  if (!shm::IsDType(static_cast<uint32_t>(dtype))) {
     return absl::InvalidArgumentError(
         absl::StrCat("dtype: ", dtype, ", expected 1 (FP32) or 2 (BF16)"));
   }
