@@ -33,6 +33,7 @@
 #include "common/shm_segment.h"
 #include "hostd/hf_import.h"
 #include "hostd/manifest.h"
+#include "proto/grad_ring.h"
 #include "proto/shm_abi.h"
 
 namespace slidedp {
@@ -155,6 +156,8 @@ class TrainingState {
   shm::RankSlot& rank_slot(uint32_t rank) const;
   shm::LayerControl& layer_control(uint32_t layer) const;
   shm::ChunkSlot& chunk_slot(uint32_t rank, uint32_t slot) const;
+  // Every rank's ring, as a view of the control and grads segments (valid while this lives).
+  shm::GradRing grad_ring() const;
   // The data region of a ring slot in the grads segment (chunk_bytes long).
   void* grad_slot_data(uint32_t rank, uint32_t slot) const;
   uint64_t chunk_bytes() const { return chunk_bytes_; }

@@ -21,7 +21,7 @@ using cuda::NcclStatus;
 
 namespace {
 
-size_t DTypeBytes(int dtype) { return dtype == 1 ? 4 : 2; }
+size_t DTypeBytes(int dtype) { return shm::DTypeBytes(static_cast<shm::DType>(dtype)); }
 ncclDataType_t NcclType(int dtype) { return dtype == 1 ? ncclFloat32 : ncclBfloat16; }
 
 }  // namespace
@@ -135,7 +135,7 @@ absl::Status GpuDataPlane::PushGrad(uint64_t step, uint32_t layer, const void* g
     absl::MutexLock l(&m.mu);
     if (!m.error.ok()) return m.ReportErrorLocked();
   }
-  if (dtype != 1 && dtype != 2) {
+  if (!shm::IsDType(static_cast<uint32_t>(dtype))) {
     return absl::InvalidArgumentError(
         absl::StrCat("dtype: ", dtype, ", expected 1 (FP32) or 2 (BF16)"));
   }
