@@ -10,6 +10,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
 #include "common/thread_pool.h"
+#include "kernels/cpu/grad_clip.h"
 #include "spdlog/spdlog.h"
 
 namespace slidedp::hostd {
@@ -19,6 +20,12 @@ using Clock = std::chrono::steady_clock;
 
 double MonotonicSeconds(Clock::time_point t) {
   return std::chrono::duration<double>(t.time_since_epoch()).count();
+}
+
+// The threshold a layer is clipped to by itself: max_grad_norm under per-layer clipping, none (0)
+// otherwise (global clipping computes one scale for the step's layers and passes it in).
+double PerLayerThreshold(const slidedp::v1::OptimizerConfig& cfg) {
+  return cfg.clip() == slidedp::v1::CLIP_POLICY_PER_LAYER ? cfg.max_grad_norm() : 0.0;
 }
 
 double Seconds(Clock::time_point a, Clock::time_point b) {
@@ -345,17 +352,14 @@ LayerUpdateResult UpdateWorker::UpdateLayerNow(uint32_t layer, uint64_t step,
   r.nonfinite = stats.nonfinite;
   if (before_write_ && stats.nonfinite == 0) before_write_(layer, step);
   state_->BeginLayerWrite(layer, step);
-  if (stats.nonfinite > 0) {
-    r.grad_norm = std::nan("");
+  // The sum of squares leaves the non-finite elements out: such a gradient's norm is NaN.
+  const double norm = stats.nonfinite > 0 ? std::nan("") : std::sqrt(stats.sum_squares) * scale;
+  const kernels::ClipDecision clip_rule = kernels::DecideClip(norm, PerLayerThreshold(cfg));
+  r.grad_norm = norm;
+  if (clip_rule.skip) {
     shm::Atomic(state_->layer_control(layer).skipped_steps).fetch_add(1);
   } else {
-    r.grad_norm = std::sqrt(stats.sum_squares) * scale;
-    double coef = 1.0;
-    if (clip_coef_override >= 0) {
-      coef = clip_coef_override;
-    } else if (cfg.clip() == slidedp::v1::CLIP_POLICY_PER_LAYER) {
-      coef = std::min(1.0, cfg.max_grad_norm() / (r.grad_norm + 1e-6));
-    }
+    const double coef = clip_coef_override >= 0 ? clip_coef_override : clip_rule.scale;
     r.clip_coef = coef;
     ApplyKernel(layer, step, grad, scale * coef, cfg);
     r.applied = true;
@@ -428,19 +432,16 @@ void UpdateWorker::BeginStream(Item& item) {
   const slidedp::v1::OptimizerConfig& cfg = item.cfg;
   const double scale =
       cfg.scale_by_world_size() ? 1.0 / static_cast<double>(state_->world_size()) : 1.0;
-  if (item.nonfinite) {
+  // The same rule as UpdateLayerNow, from the sum of squares the ranks sent.
+  const double norm = item.nonfinite ? std::nan("") : std::sqrt(item.sum_squares) * scale;
+  const kernels::ClipDecision clip_rule = kernels::DecideClip(norm, PerLayerThreshold(cfg));
+  s.result.grad_norm = norm;
+  if (clip_rule.skip) {
     s.skip = true;
     s.result.nonfinite = 1;
-    s.result.grad_norm = std::nan("");
   } else {
-    // The same formulas as UpdateLayerNow, from the sum of squares the ranks sent.
-    s.result.grad_norm = std::sqrt(item.sum_squares) * scale;
-    double coef = 1.0;
-    if (cfg.clip() == slidedp::v1::CLIP_POLICY_PER_LAYER) {
-      coef = std::min(1.0, cfg.max_grad_norm() / (s.result.grad_norm + 1e-6));
-    }
-    s.result.clip_coef = coef;
-    s.scalars = LayerScalars(item.layer, item.step, scale * coef, cfg);
+    s.result.clip_coef = clip_rule.scale;
+    s.scalars = LayerScalars(item.layer, item.step, scale * clip_rule.scale, cfg);
   }
   s.result.seconds = Seconds(t0, Clock::now());
   streams_[item.layer] = std::move(s);
@@ -579,8 +580,9 @@ void UpdateWorker::Run() {
       layer_stats.push_back(LayerStats(item.grad));
       if (layer_stats.back().nonfinite == 0) total += layer_stats.back().sum_squares;
     }
+    // Finite: the non-finite layers are left out of the total (they skip their own update).
     const double norm = std::sqrt(total) * scale;
-    const double coef = std::min(1.0, cfg.max_grad_norm() / (norm + 1e-6));
+    const double coef = kernels::DecideClip(norm, cfg.max_grad_norm()).scale;
     for (size_t i = 0; i < batch.size(); ++i) {
       LayerUpdateResult r =
           UpdateLayerNow(batch[i].layer, batch[i].step, batch[i].grad, coef, &layer_stats[i]);

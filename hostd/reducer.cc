@@ -1,9 +1,5 @@
 #include "hostd/reducer.h"
 
-#include <linux/futex.h>
-#include <sys/syscall.h>
-#include <time.h>
-
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -12,6 +8,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/thread_pool.h"
 #include "kernels/cpu/bf16.h"
+#include "proto/doorbell.h"
 #include "spdlog/spdlog.h"
 
 namespace slidedp::hostd {
@@ -20,12 +17,14 @@ namespace {
 // Below this a chunk is summed on the reducer thread: waking the pool costs more.
 constexpr uint64_t kParallelReduceElems = 1 << 16;
 
-uint32_t DTypeOf(kernels::GradType t) { return t == kernels::GradType::kFp32 ? 1 : 2; }
-
-void FutexWait(uint32_t* word, uint32_t expected, int timeout_ms) {
-  timespec ts{timeout_ms / 1000, static_cast<long>(timeout_ms % 1000) * 1000000};
-  syscall(SYS_futex, word, FUTEX_WAIT, expected, &ts, nullptr, 0);
+// The shared-memory DType of the job's gradients, as the integer a chunk header carries.
+uint32_t DTypeOf(kernels::GradType t) {
+  return static_cast<uint32_t>(t == kernels::GradType::kFp32 ? shm::DType::kFp32
+                                                             : shm::DType::kBf16);
 }
+
+// How long the reducer sleeps on the doorbell before it looks at its state again.
+constexpr std::chrono::milliseconds kDoorbellSleep(50);
 
 // dst = src (first rank) or dst += src (later ranks), FP32 adds in element order.
 void Accumulate(float* dst, const void* src, kernels::GradType type, uint64_t n, bool first) {
@@ -74,21 +73,6 @@ GradientReducer::GradientReducer(TrainingState* state, ThreadPool* pool, UpdateW
 
 GradientReducer::~GradientReducer() { Stop(); }
 
-bool GradientReducer::ReadFullSlot(shm::ChunkSlot& cs, ChunkHeader* h) {
-  if (shm::Atomic(cs.state).load(std::memory_order_acquire) != shm::kSlotFull) return false;
-  // Atomic loads: the compiler may neither read a field again nor tear it (the rank writes the
-  // header from another process; plain reads of it would be a data race).
-  h->step = shm::Atomic(cs.step).load(std::memory_order_relaxed);
-  h->seq = shm::Atomic(cs.seq).load(std::memory_order_relaxed);
-  h->offset_elements = shm::Atomic(cs.offset_elements).load(std::memory_order_relaxed);
-  h->numel = shm::Atomic(cs.numel).load(std::memory_order_relaxed);
-  h->layer = shm::Atomic(cs.layer).load(std::memory_order_relaxed);
-  h->dtype = shm::Atomic(cs.dtype).load(std::memory_order_relaxed);
-  h->flags = shm::Atomic(cs.flags).load(std::memory_order_relaxed);
-  h->stats_sumsq = shm::Atomic(cs.stats_sumsq).load(std::memory_order_relaxed);
-  return true;
-}
-
 void GradientReducer::Start() {
   absl::MutexLock lock(&mu_);
   if (thread_.joinable()) return;
@@ -115,19 +99,14 @@ uint32_t GradientReducer::FullSlotsOfStep(uint32_t rank, uint64_t step) const {
   uint32_t n = 0;
   for (uint32_t s = 0; s < state_->grad_ring_slots(); ++s) {
     shm::ChunkSlot& cs = state_->chunk_slot(rank, s);
-    if (shm::Atomic(cs.state).load(std::memory_order_acquire) == shm::kSlotFull &&
-        cs.step == step) {
+    if (shm::SlotIsFull(cs) && cs.step == step) {
       n++;
     }
   }
   return n;
 }
 
-void GradientReducer::Ring() {
-  shm::ControlBlock& cb = state_->control();
-  shm::Atomic(cb.doorbell).fetch_add(1, std::memory_order_acq_rel);
-  FutexWakeAll(&cb.doorbell);
-}
+void GradientReducer::Ring() { shm::Doorbell(&state_->control().doorbell).Ring(); }
 
 void GradientReducer::ResetLayerLocked() {
   if (current_buffer_ >= 0) buffers_[current_buffer_].busy = false;  // never submitted
@@ -153,10 +132,7 @@ void GradientReducer::Arm(uint64_t step) {
 void GradientReducer::EmptySlotLocked(uint32_t rank, uint32_t slot) {
   // A lent slot's data is still being read by the worker: the rank must not refill it yet.
   if (lent_[size_t{rank} * state_->grad_ring_slots() + slot]) return;
-  shm::ChunkSlot& cs = state_->chunk_slot(rank, slot);
-  shm::Atomic(cs.state).store(shm::kSlotEmpty, std::memory_order_release);
-  shm::Atomic(cs.wake_seq).fetch_add(1, std::memory_order_acq_rel);
-  FutexWakeAll(&cs.wake_seq);
+  shm::ReleaseSlot(state_->chunk_slot(rank, slot));
 }
 
 void GradientReducer::ClearAllSlotsLocked() {
@@ -179,7 +155,9 @@ void GradientReducer::DiscardStep(uint64_t step) {
     for (uint32_t r = 0; r < state_->world_size(); ++r) {
       for (uint32_t s = 0; s < state_->grad_ring_slots(); ++s) {
         ChunkHeader h;
-        if (ReadFullSlot(state_->chunk_slot(r, s), &h) && h.step == step) EmptySlotLocked(r, s);
+        if (shm::ReadFullSlot(state_->chunk_slot(r, s), &h) && h.step == step) {
+          EmptySlotLocked(r, s);
+        }
       }
     }
   }
@@ -255,7 +233,7 @@ bool GradientReducer::TrySumLocked() {
   for (size_t i = 0; i < parts; ++i) {
     const uint32_t r = options_.pushing_ranks[i];
     ChunkHeader& h = sum_heads_[i];
-    if (!ReadFullSlot(state_->chunk_slot(r, slot), &h)) return false;
+    if (!shm::ReadFullSlot(state_->chunk_slot(r, slot), &h)) return false;
     if (h.step < armed_step_) {  // left over from an aborted step
       EmptySlotLocked(r, slot);
       return true;
@@ -352,7 +330,7 @@ bool GradientReducer::PeekLocked(size_t i, bool* progress, ChunkHeader* h) {
   // Still lent: it holds chunk next_seq - slots (or one of an aborted step) until the worker has
   // written it; the rank cannot have refilled it.
   if (lent_[size_t{r} * slots + slot]) return false;
-  if (!ReadFullSlot(state_->chunk_slot(r, slot), h)) return false;
+  if (!shm::ReadFullSlot(state_->chunk_slot(r, slot), h)) return false;
   if (h->step < armed_step_) {  // left over from an aborted step
     EmptySlotLocked(r, slot);
     *progress = true;
@@ -602,15 +580,15 @@ int GradientReducer::AcquireBufferLocked() {
 }
 
 void GradientReducer::Run() {
-  shm::ControlBlock& cb = state_->control();
+  const shm::Doorbell bell(&state_->control().doorbell);
   for (;;) {
-    const uint32_t bell = shm::Atomic(cb.doorbell).load(std::memory_order_acquire);
+    const uint32_t seen = bell.Load();
     {
       absl::MutexLock lock(&mu_);
       if (stop_) return;
     }
     if (TryReduceOne()) continue;
-    FutexWait(&cb.doorbell, bell, 50);
+    bell.Wait(seen, kDoorbellSleep);
   }
 }
 

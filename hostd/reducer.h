@@ -40,7 +40,7 @@
 //
 // A rank owns its ChunkSlots and may rewrite a header at any time, also after publishing it. So
 // every header field the reducer uses is read from shared memory once, after the acquire load of
-// the slot's state, into a ChunkHeader (ReadFullSlot in reducer.cc, for both routes); only that
+// the slot's state, into a ChunkHeader (shm::ReadFullSlot, for both routes); only that
 // copy is validated and used. A second read could see another length or offset than the one
 // validated and overflow hostd's buffers.
 //
@@ -68,6 +68,7 @@
 #include "absl/synchronization/mutex.h"
 #include "hostd/optimizer.h"
 #include "hostd/state.h"
+#include "proto/grad_ring.h"
 
 namespace slidedp {
 class ThreadPool;
@@ -150,19 +151,7 @@ class GradientReducer {
     bool busy = false;
   };
   // A ring slot's header, copied out of shared memory once (see the overview).
-  struct ChunkHeader {
-    uint64_t step = 0;
-    uint64_t seq = 0;
-    uint64_t offset_elements = 0;
-    uint64_t numel = 0;
-    uint32_t layer = 0;
-    uint32_t dtype = 0;
-    uint32_t flags = 0;
-    double stats_sumsq = 0;
-  };
-  // Whether `cs` is full; if so its header is copied into *h, each field read once after the
-  // acquire load of its state. The one way the reducer reads a header.
-  static bool ReadFullSlot(shm::ChunkSlot& cs, ChunkHeader* h);
+  using ChunkHeader = shm::ChunkHeader;
   // kShards: where pushing_ranks[i] is in its ring and in its shard of the current layer.
   struct Cursor {
     uint64_t next_seq = 0;

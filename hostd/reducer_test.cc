@@ -7,10 +7,8 @@
 // flags, header violations, and an abort in the middle of a streamed layer (reducer and engine).
 #include "hostd/reducer.h"
 
-#include <linux/futex.h>
 #include <signal.h>
 #include <sys/mman.h>
-#include <sys/syscall.h>
 #include <ucontext.h>
 #include <unistd.h>
 
@@ -37,6 +35,8 @@
 #include "hostd/engine.h"
 #include "hostd/test_util.h"
 #include "kernels/cpu/bf16.h"
+#include "proto/doorbell.h"
+#include "proto/grad_ring.h"
 
 namespace slidedp::hostd {
 namespace {
@@ -131,7 +131,7 @@ class FakeRank {
     const auto slot = static_cast<uint32_t>(seq_ % slots);
     shm::ChunkSlot& cs = state_->chunk_slot(rank_, slot);
     const auto deadline = Clock::now() + kTimeout;
-    while (shm::Atomic(cs.state).load(std::memory_order_acquire) != shm::kSlotEmpty) {
+    while (!shm::SlotIsEmpty(cs)) {
       if (Clock::now() > deadline) {
         return absl::DeadlineExceededError(
             absl::StrCat("rank ", rank_, ": slot ", slot, " stayed full (seq ", seq_, ")"));
@@ -146,18 +146,18 @@ class FakeRank {
       auto* d = reinterpret_cast<uint16_t*>(dst);
       for (uint64_t i = 0; i < n; ++i) d[i] = kernels::RoundToBf16(data[i]);
     }
-    cs.step = step;
-    cs.seq = seq_;
-    cs.offset_elements = offset;
-    cs.numel = numel;
-    cs.layer = layer;
-    cs.dtype = type_ == kernels::GradType::kFp32 ? 1 : 2;
-    cs.flags = flags;
-    cs.stats_sumsq = sumsq;
-    shm::Atomic(cs.state).store(shm::kSlotFull, std::memory_order_release);
-    shm::ControlBlock& cb = state_->control();
-    shm::Atomic(cb.doorbell).fetch_add(1, std::memory_order_acq_rel);
-    FutexWakeAll(&cb.doorbell);
+    shm::ChunkHeader h;
+    h.step = step;
+    h.seq = seq_;
+    h.offset_elements = offset;
+    h.numel = numel;
+    h.layer = layer;
+    h.dtype = static_cast<uint32_t>(type_ == kernels::GradType::kFp32 ? shm::DType::kFp32
+                                                                      : shm::DType::kBf16);
+    h.flags = flags;
+    h.stats_sumsq = sumsq;
+    shm::PublishChunk(cs, h);
+    shm::Doorbell(&state_->control().doorbell).Ring();
     ++seq_;
     return absl::OkStatus();
   }

@@ -1,7 +1,5 @@
 #include "hostd/state.h"
 
-#include <linux/futex.h>
-#include <sys/syscall.h>
 #include <unistd.h>
 #include <xxhash.h>
 
@@ -16,6 +14,8 @@
 #include "kernels/cpu/adamw.h"
 #include "model/job_spec.h"
 #include "model/layer_checksum.h"
+#include "proto/doorbell.h"
+#include "proto/grad_ring.h"
 
 namespace slidedp::hostd {
 namespace {
@@ -64,9 +64,7 @@ std::string SegmentName(const std::string& instance, shm::SegmentKind kind) {
   return absl::StrCat("slidedp.", instance, ".", KindSuffix(kind));
 }
 
-void FutexWakeAll(uint32_t* word) {
-  syscall(SYS_futex, word, FUTEX_WAKE, INT32_MAX, nullptr, nullptr, 0);
-}
+void FutexWakeAll(uint32_t* word) { shm::Doorbell(word).WakeAll(); }
 
 OwnerCheck TrainingState::SegmentCheck(const Options& options, shm::SegmentKind kind) {
   if (kind == shm::SegmentKind::kState) return OwnedBySelf(0600);
@@ -394,10 +392,7 @@ void TrainingState::ResetControlForAdoption(uint64_t next_step) const {
   }
   for (uint32_t r = 0; r < world_size_; ++r) {
     for (uint32_t k = 0; k < grad_ring_slots_; ++k) {
-      shm::ChunkSlot& slot = chunk_slot(r, k);
-      shm::Atomic(slot.state).store(shm::kSlotEmpty, std::memory_order_release);
-      shm::Atomic(slot.wake_seq).fetch_add(1, std::memory_order_acq_rel);
-      FutexWakeAll(&slot.wake_seq);
+      shm::ReleaseSlot(chunk_slot(r, k));
     }
   }
   shm::Atomic(cb.next_step).store(next_step, std::memory_order_release);
@@ -405,8 +400,7 @@ void TrainingState::ResetControlForAdoption(uint64_t next_step) const {
   shm::Atomic(cb.hostd_pid).store(static_cast<uint64_t>(getpid()));
   shm::Atomic(cb.shutting_down).store(0, std::memory_order_release);
   shm::Atomic(cb.abort_epoch).fetch_add(1, std::memory_order_acq_rel);
-  shm::Atomic(cb.wake_seq).fetch_add(1, std::memory_order_acq_rel);
-  FutexWakeAll(&cb.wake_seq);
+  shm::Doorbell(&cb.wake_seq).Ring();
 }
 
 uint64_t TrainingState::pending_version(uint32_t layer) const {
@@ -442,11 +436,14 @@ shm::LayerControl& TrainingState::layer_control(uint32_t layer) const {
   return control_.at<shm::LayerControl>(shm::kLayerControlOffset)[layer];
 }
 shm::ChunkSlot& TrainingState::chunk_slot(uint32_t rank, uint32_t slot) const {
-  return control_.at<shm::ChunkSlot>(
-      shm::ChunkSlotsOffset(num_layers()))[shm::ChunkSlotIndex(rank, slot, grad_ring_slots_)];
+  return grad_ring().slot(rank, slot);
 }
 void* TrainingState::grad_slot_data(uint32_t rank, uint32_t slot) const {
-  return grads_.at<char>(shm::GradSlotOffset(rank, slot, grad_ring_slots_, chunk_bytes_));
+  return grad_ring().data(rank, slot);
+}
+shm::GradRing TrainingState::grad_ring() const {
+  return shm::GradRing(control_.data(), grads_.data(),
+                       shm::RingShape{num_layers(), world_size_, grad_ring_slots_, chunk_bytes_});
 }
 
 uint64_t TrainingState::committed_version(uint32_t layer) const {
@@ -460,8 +457,7 @@ void TrainingState::BeginLayerWrite(uint32_t layer, uint64_t version) const {
 void TrainingState::PublishLayer(uint32_t layer, uint64_t version) const {
   shm::LayerControl& lc = layer_control(layer);
   shm::Atomic(lc.committed_version).store(version, std::memory_order_release);
-  shm::Atomic(lc.wake_seq).fetch_add(1, std::memory_order_acq_rel);
-  FutexWakeAll(&lc.wake_seq);
+  shm::Doorbell(&lc.wake_seq).Ring();
 }
 
 uint64_t TrainingState::LayerChecksum(uint32_t layer) const {

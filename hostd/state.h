@@ -34,6 +34,7 @@
 #include "absl/status/statusor.h"
 #include "common/shm_segment.h"
 #include "model/manifest.h"
+#include "proto/grad_ring.h"
 #include "proto/shm_abi.h"
 
 namespace slidedp {
@@ -166,6 +167,8 @@ class TrainingState {
   shm::RankSlot& rank_slot(uint32_t rank) const;
   shm::LayerControl& layer_control(uint32_t layer) const;
   shm::ChunkSlot& chunk_slot(uint32_t rank, uint32_t slot) const;
+  // Every rank's ring, as a view of the control and grads segments (valid while this lives).
+  shm::GradRing grad_ring() const;
   // The data region of a ring slot in the grads segment (chunk_bytes long).
   void* grad_slot_data(uint32_t rank, uint32_t slot) const;
   uint64_t chunk_bytes() const { return chunk_bytes_; }

@@ -69,6 +69,37 @@ static_assert(offsetof(SegmentHeader, ready) == 56);
 
 enum class StepState : uint64_t { kIdle = 0, kRunning = 1, kAborting = 2 };
 
+// The element type of the gradients in the grads segment (ControlBlock::grad_dtype,
+// ChunkSlot::dtype). The values are control.proto's DType and the rank C ABI's SLIDEDP_DTYPE_*
+// (both check it with a static_assert); 0 and anything else are not a DType.
+enum class DType : uint32_t { kFp32 = 1, kBf16 = 2 };
+
+inline constexpr bool IsDType(uint32_t value) {
+  return value == static_cast<uint32_t>(DType::kFp32) ||
+         value == static_cast<uint32_t>(DType::kBf16);
+}
+
+// Bytes per element; 0 for a value outside the enum (a header read from shared memory).
+inline constexpr size_t DTypeBytes(DType t) {
+  switch (t) {
+    case DType::kFp32:
+      return 4;
+    case DType::kBf16:
+      return 2;
+  }
+  return 0;
+}
+
+inline constexpr const char* DTypeName(DType t) {
+  switch (t) {
+    case DType::kFp32:
+      return "FP32";
+    case DType::kBf16:
+      return "BF16";
+  }
+  return "unknown";
+}
+
 // One per job, right after the header of the control segment.
 struct alignas(64) ControlBlock {
   uint64_t next_step;        // atomic: 1-based id of the step that begins next
@@ -80,7 +111,7 @@ struct alignas(64) ControlBlock {
   uint32_t shutting_down;    // atomic: 1 once hostd stops serving
   uint64_t chunk_bytes;      // capacity of one gradient ring slot
   uint32_t grad_ring_slots;  // slots per rank
-  uint32_t grad_dtype;       // DType of control.proto (1 FP32, 2 BF16)
+  uint32_t grad_dtype;       // DType (1 FP32, 2 BF16)
   uint32_t doorbell;         // atomic futex word: ranks bump it after filling a slot
   uint32_t grad_route;       // GradRoute of control.proto
   // atomic: the last step whose updates are all published (0: none yet, or a hostd that predates
@@ -165,7 +196,7 @@ struct alignas(64) ChunkSlot {
   uint64_t offset_elements;  // where the chunk starts within the layer
   uint64_t numel;            // elements in this chunk
   uint32_t layer;
-  uint32_t dtype;     // DType of control.proto
+  uint32_t dtype;     // DType
   uint32_t wake_seq;  // atomic futex word: bumped when hostd empties the slot or aborts
   uint32_t flags;     // kChunkFlag* below
   // With kChunkFlagStats: the sum of squares (FP64) of everything this rank pushes for the

@@ -64,5 +64,21 @@ TEST(ShmAbiTest, AtomicRefOperatesOnPlainFields) {
   EXPECT_EQ(lc.wake_seq, 1u);
 }
 
+TEST(ShmAbiTest, DTypeValuesAndSizes) {
+  EXPECT_EQ(static_cast<uint32_t>(DType::kFp32), 1u);
+  EXPECT_EQ(static_cast<uint32_t>(DType::kBf16), 2u);
+  EXPECT_EQ(DTypeBytes(DType::kFp32), 4u);
+  EXPECT_EQ(DTypeBytes(DType::kBf16), 2u);
+  EXPECT_EQ(DTypeBytes(static_cast<DType>(0)), 0u);
+  EXPECT_EQ(DTypeBytes(static_cast<DType>(3)), 0u);
+  EXPECT_TRUE(IsDType(1));
+  EXPECT_TRUE(IsDType(2));
+  EXPECT_FALSE(IsDType(0));
+  EXPECT_FALSE(IsDType(3));
+  EXPECT_STREQ(DTypeName(DType::kFp32), "FP32");
+  EXPECT_STREQ(DTypeName(DType::kBf16), "BF16");
+  EXPECT_STREQ(DTypeName(static_cast<DType>(7)), "unknown");
+}
+
 }  // namespace
 }  // namespace slidedp::shm

@@ -61,8 +61,9 @@
 // through again.
 //
 // Thread safety: one caller thread uses the plane (and its RankClient's step API); the plane's
-// own threads touch only the gradient half of the RankClient. Destruction synchronizes the
-// streams, stops the threads and unregisters the mappings (in that order).
+// own threads touch only the gradient half of the RankClient. Destruction stops the threads,
+// synchronizes the streams, then releases the communicators, events, buffers, streams and the
+// mappings' registrations (in that order).
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -80,7 +81,7 @@
 
 namespace slidedp::rankclient {
 
-struct StagingBuffer;  // gpu_plane.cc
+struct StagingBuffer;  // gpu_plane_internal.h
 
 class GpuDataPlane {
  public:
@@ -174,7 +175,7 @@ class GpuDataPlane {
   Stats stats() const;
 
  private:
-  struct Impl;  // CUDA/NCCL handles, window and staging state, the gradient queues
+  struct Impl;  // gpu_plane_internal.h: CUDA/NCCL handles, window and staging, gradient queues
   GpuDataPlane(RankClient* client, const Options& options);
   absl::Status Init();
   absl::Status InitComms();
@@ -183,9 +184,6 @@ class GpuDataPlane {
   absl::Status AllocateStaging(StagingBuffer& b);
   void CopierLoop();
   void PublisherLoop();
-  void SetError(const absl::Status& s);
-  // Marks the gradient-path error as returned to the caller and returns it; under Impl::mu.
-  absl::Status ReportErrorLocked();
 
   RankClient* const client_;
   const Options options_;

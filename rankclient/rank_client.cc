@@ -1,10 +1,7 @@
 #include "rankclient/rank_client.h"
 
 #include <grpcpp/grpcpp.h>
-#include <linux/futex.h>
 #include <signal.h>
-#include <sys/syscall.h>
-#include <time.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -16,6 +13,7 @@
 #include "common/status_macros.h"
 #include "common/tcp_auth.h"
 #include "common/version.h"
+#include "proto/doorbell.h"
 #include "slidedp/v1/control.grpc.pb.h"
 
 namespace slidedp::rankclient {
@@ -30,18 +28,13 @@ absl::Status FromGrpc(const grpc::Status& s, absl::string_view rpc) {
                       absl::StrCat(rpc, ": ", s.error_message()));
 }
 
-void FutexWait(uint32_t* word, uint32_t expected, std::chrono::nanoseconds left) {
-  left = std::min<std::chrono::nanoseconds>(left, std::chrono::milliseconds(100));
-  timespec ts{static_cast<time_t>(left.count() / 1000000000),
-              static_cast<long>(left.count() % 1000000000)};
-  syscall(SYS_futex, word, FUTEX_WAIT, expected, &ts, nullptr, 0);
-}
+// The shared-memory DType is control.proto's and the C ABI's integer.
+static_assert(static_cast<int>(shm::DType::kFp32) == v1::DTYPE_FP32);
+static_assert(static_cast<int>(shm::DType::kBf16) == v1::DTYPE_BF16);
 
-void FutexWakeAll(uint32_t* word) {
-  syscall(SYS_futex, word, FUTEX_WAKE, INT32_MAX, nullptr, nullptr, 0);
-}
-
-size_t DTypeBytes(int dtype) { return dtype == 1 ? 4 : 2; }
+// The longest futex sleep of WaitOn: the session's loss (set by its reader thread) rings no
+// futex word, so a waiter looks at it this often.
+constexpr std::chrono::milliseconds kMaxFutexSleep(100);
 
 }  // namespace
 
@@ -195,7 +188,7 @@ absl::Status RankClient::Init() {
   token_ = attach.attach_token();
   client_layers_current_ = attach.client_layers_current();
   job_id_ = options_.job_id;
-  grad_dtype_ = layout_.grad_dtype() == v1::DTYPE_FP32 ? 1 : 2;
+  grad_dtype_ = layout_.grad_dtype() == v1::DTYPE_FP32 ? shm::DType::kFp32 : shm::DType::kBf16;
   pushing_rank_ = layout_.grad_route() == v1::GRAD_ROUTE_CPU_REDUCTION ||
                   options_.rank == layout_.grad_pushing_rank();
   pushed_.assign(layout_.layers_size(), false);
@@ -276,6 +269,10 @@ absl::Status RankClient::Init() {
         "hostd's layout does not fit its control segment (", control_.size_bytes(), " bytes)"));
   }
   cb_ = control_.at<shm::ControlBlock>(shm::kControlBlockOffset);
+  ring_ = shm::GradRing(
+      control_.data(), grads_.data(),
+      shm::RingShape{static_cast<uint32_t>(layout_.layers_size()), layout_.world_size(),
+                     layout_.grad_ring_slots(), layout_.chunk_bytes()});
 
   // The session stream: liveness for hostd, events for us.
   Session* s = session_.get();
@@ -353,8 +350,9 @@ absl::Status RankClient::CheckLive(const PushTicket& ticket) const {
 template <typename Ready>
 absl::Status RankClient::WaitOn(uint32_t* word, Ready ready, Clock::time_point deadline,
                                 const char* what, const PushTicket* ticket, uint64_t completed_ok) {
+  const shm::Doorbell bell(word);
   for (;;) {
-    const uint32_t seen = shm::Atomic(*word).load(std::memory_order_acquire);
+    const uint32_t seen = bell.Load();
     // Liveness first: after an abort, versions are sealed and would otherwise look "ready".
     // hostd stores completed_step before it moves the epoch for a later step, so reading it after
     // the epoch tells whether the step waited for completed before that abort.
@@ -367,7 +365,7 @@ absl::Status RankClient::WaitOn(uint32_t* word, Ready ready, Clock::time_point d
     if (ready()) return absl::OkStatus();
     const auto now = Clock::now();
     if (now >= deadline) return absl::DeadlineExceededError(absl::StrCat("timed out ", what));
-    FutexWait(word, seen, deadline - now);
+    bell.Wait(seen, std::min<std::chrono::nanoseconds>(deadline - now, kMaxFutexSleep));
   }
 }
 
@@ -533,20 +531,16 @@ absl::StatusOr<RankClient::ChunkSlotRef> RankClient::AcquireChunkSlot(const Push
     return absl::FailedPreconditionError(absl::StrCat(
         "all ", slots, " gradient ring slots are acquired; publish one before acquiring more"));
   }
-  const uint32_t slot = static_cast<uint32_t>(acquire_seq_ % slots);
-  const size_t index = shm::ChunkSlotIndex(options_.rank, slot, slots);
-  auto* cs = control_.at<shm::ChunkSlot>(shm::ChunkSlotsOffset(num_layers()) +
-                                         index * sizeof(shm::ChunkSlot));
+  const uint32_t slot = ring_.SlotOf(acquire_seq_);
+  shm::ChunkSlot& cs = ring_.slot(options_.rank, slot);
   RETURN_IF_ERROR(WaitOn(
-      &cs->wake_seq,
-      [&] { return shm::Atomic(cs->state).load(std::memory_order_acquire) == shm::kSlotEmpty; },
-      deadline, "waiting for a free gradient slot", &ticket));
+      &cs.wake_seq, [&] { return shm::SlotIsEmpty(cs); }, deadline,
+      "waiting for a free gradient slot", &ticket));
   ChunkSlotRef ref;
   ref.ticket = ticket;
   ref.seq = acquire_seq_++;
   ref.slot = slot;
-  ref.data =
-      grads_.at<char>(shm::GradSlotOffset(options_.rank, slot, slots, layout_.chunk_bytes()));
+  ref.data = ring_.data(options_.rank, slot);
   return ref;
 }
 
@@ -556,46 +550,56 @@ absl::Status RankClient::PublishChunk(const ChunkSlotRef& ref, uint32_t layer, u
     return absl::InternalError(absl::StrCat("chunk ", ref.seq, " published out of order; chunk ",
                                             publish_seq_.load(), " is next"));
   }
-  if (numel * DTypeBytes(dtype) > layout_.chunk_bytes()) {
-    return absl::InvalidArgumentError(absl::StrCat("numel: ", numel, " elements exceed a slot of ",
-                                                   layout_.chunk_bytes(), " bytes"));
-  }
-  RETURN_IF_ERROR(CheckLive(ref.ticket));
-  const uint32_t slots = layout_.grad_ring_slots();
-  const size_t index = shm::ChunkSlotIndex(options_.rank, ref.slot, slots);
-  auto* cs = control_.at<shm::ChunkSlot>(shm::ChunkSlotsOffset(num_layers()) +
-                                         index * sizeof(shm::ChunkSlot));
-  cs->step = ref.ticket.step;
-  cs->seq = ref.seq;
-  cs->offset_elements = offset;
-  cs->numel = numel;
-  cs->layer = layer;
-  cs->dtype = static_cast<uint32_t>(dtype);
-  cs->flags = 0;
-  cs->stats_sumsq = 0;
+  shm::ChunkHeader h;
+  h.step = ref.ticket.step;
+  h.seq = ref.seq;
+  h.offset_elements = offset;
+  h.numel = numel;
+  h.layer = layer;
+  h.dtype = static_cast<uint32_t>(dtype);
   if (stats != nullptr) {
-    cs->flags = shm::kChunkFlagStats | (stats->nonfinite ? shm::kChunkFlagNonFinite : 0u);
-    cs->stats_sumsq = stats->sumsq;
+    h.flags = shm::kChunkFlagStats | (stats->nonfinite ? shm::kChunkFlagNonFinite : 0u);
+    h.stats_sumsq = stats->sumsq;
   }
-  shm::Atomic(cs->state).store(shm::kSlotFull, std::memory_order_release);
-  shm::Atomic(cb_->doorbell).fetch_add(1, std::memory_order_acq_rel);
-  FutexWakeAll(&cb_->doorbell);
+  RETURN_IF_ERROR(CheckChunk(h));
+  RETURN_IF_ERROR(CheckLive(ref.ticket));
+  shm::PublishChunk(ring_.slot(options_.rank, ref.slot), h);
+  shm::Doorbell(&cb_->doorbell).Ring();
   ++publish_seq_;
   if (++chunks_pushed_ == failpoint_at_ && failpoint_ == "push_kill") raise(SIGKILL);
   return absl::OkStatus();
+}
+
+absl::Status RankClient::CheckChunk(const shm::ChunkHeader& h) const {
+  const shm::ChunkLimits limits{grad_dtype_, num_layers(), layout_.chunk_bytes()};
+  const char* bad = shm::CheckChunkHeader(h, limits);
+  if (bad == nullptr) return absl::OkStatus();
+  const absl::string_view field(bad);
+  if (field == "dtype") {
+    return absl::InvalidArgumentError(absl::StrCat("dtype: the job's gradients are ",
+                                                   shm::DTypeName(grad_dtype_), " (", grad_dtype(),
+                                                   "), got ", h.dtype));
+  }
+  if (field == "layer") return CheckLayer(h.layer);
+  if (field == "numel") {
+    if (h.numel == 0) return absl::InvalidArgumentError("numel: a chunk holds 1 element or more");
+    return absl::InvalidArgumentError(absl::StrCat(
+        "numel: ", h.numel, " elements exceed a slot of ", layout_.chunk_bytes(), " bytes"));
+  }
+  return absl::InternalError(absl::StrCat("chunk header field ", field, " is malformed"));
 }
 
 absl::Status RankClient::PushGrad(uint64_t step, uint32_t layer, const void* data, int dtype,
                                   size_t bytes, const LayerStats* stats,
                                   std::chrono::milliseconds timeout) {
   RETURN_IF_ERROR(CheckStepAndLayer(step, layer));
-  if (dtype != grad_dtype_) {
+  if (dtype != grad_dtype()) {
     return absl::InvalidArgumentError(absl::StrCat("dtype: the job's gradients are ",
-                                                   grad_dtype_ == 1 ? "FP32 (1)" : "BF16 (2)",
-                                                   ", got ", dtype));
+                                                   shm::DTypeName(grad_dtype_), " (", grad_dtype(),
+                                                   "), got ", dtype));
   }
   const uint64_t numel = layer_numel(layer);
-  const size_t elem = DTypeBytes(dtype);
+  const size_t elem = shm::DTypeBytes(grad_dtype_);
   if (data == nullptr || bytes != numel * elem) {
     return absl::InvalidArgumentError(absl::StrCat("bytes: layer ", layer, " needs ", numel * elem,
                                                    " bytes (", numel, " elements), got ", bytes));

@@ -49,6 +49,7 @@
 
 #include "absl/status/statusor.h"
 #include "common/shm_segment.h"
+#include "proto/grad_ring.h"
 #include "proto/shm_abi.h"
 #include "slidedp/v1/control.pb.h"
 
@@ -156,7 +157,8 @@ class RankClient {
   absl::Status CheckLayerVersion(uint32_t layer, uint64_t version) const;
   // The elements of `layer` this rank pushes on the job's route (numel 0: none).
   shm::ShardRange PushRange(uint32_t layer) const;
-  int grad_dtype() const { return grad_dtype_; }
+  // The job's gradient DType as its integer (SLIDEDP_DTYPE_* of the C ABI).
+  int grad_dtype() const { return static_cast<int>(grad_dtype_); }
   uint64_t chunk_bytes() const { return layout_.chunk_bytes(); }
   // Starts this rank's push of `layer` in `step`: checks the step, the layer and that it was not
   // pushed before (same codes as PushGrad), and marks it pushed.
@@ -234,6 +236,9 @@ class RankClient {
   absl::Status CheckLive() const;
   // For the step of a push ticket (the gradient path).
   absl::Status CheckLive(const PushTicket& ticket) const;
+  // The header PublishChunk is about to publish against the job (shm::CheckChunkHeader):
+  // INVALID_ARGUMENT (NOT_FOUND for the layer) naming the field.
+  absl::Status CheckChunk(const shm::ChunkHeader& h) const;
   // OUT_OF_RANGE for a step other than the current one, NOT_FOUND for an unknown layer.
   absl::Status CheckStepAndLayer(uint64_t step, uint32_t layer)
       const;  // ABORTED / UNAVAILABLE when the step can no longer go on
@@ -255,6 +260,7 @@ class RankClient {
   ShmSegment params_;
   ShmSegment grads_;
   shm::ControlBlock* cb_ = nullptr;
+  shm::GradRing ring_;  // this job's rings in control_ and grads_
   uint64_t step_ = 0;
   uint64_t next_step_ = 0;
   bool client_layers_current_ = false;
@@ -267,7 +273,7 @@ class RankClient {
   std::vector<bool> pushed_;
   std::vector<bool> client_updated_;  // per layer, from the layout
   bool pushing_rank_ = true;
-  int grad_dtype_ = 2;
+  shm::DType grad_dtype_ = shm::DType::kBf16;
   bool detached_ = false;
   // Failure point (see above): kind and the count at which it fires; counters of this process.
   std::string failpoint_;

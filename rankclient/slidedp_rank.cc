@@ -3,6 +3,7 @@
 #include "rankclient/slidedp_rank.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <exception>
 #include <string>
@@ -10,6 +11,7 @@
 #include "absl/strings/str_cat.h"
 #include "model/lr_schedule.h"
 #include "model/manifest.h"
+#include "kernels/cpu/grad_clip.h"
 #include "nlohmann/json.hpp"
 #include "rankclient/rank_client.h"
 #ifdef SLIDEDP_RANK_WITH_GPU
@@ -30,6 +32,10 @@ struct slidedp_gpu_plane {
 #else
 struct slidedp_gpu_plane {};
 #endif
+
+// The C ABI's dtype integers are the shared-memory DType's values.
+static_assert(SLIDEDP_DTYPE_FP32 == static_cast<int>(slidedp::shm::DType::kFp32));
+static_assert(SLIDEDP_DTYPE_BF16 == static_cast<int>(slidedp::shm::DType::kBf16));
 
 namespace {
 
@@ -70,6 +76,22 @@ extern "C" {
 int slidedp_rank_abi_version(void) { return SLIDEDP_RANK_ABI_VERSION; }
 
 const char* slidedp_rank_last_error(void) { return last_error.c_str(); }
+
+int slidedp_clip_scale(double grad_norm, double max_grad_norm, int* skip, double* scale) {
+  if (skip == nullptr || scale == nullptr) {
+    return Fail(absl::StatusCode::kInvalidArgument, "skip and scale must be non-null");
+  }
+  if (std::isfinite(grad_norm) && grad_norm < 0) {
+    return Fail(absl::StatusCode::kInvalidArgument,
+                absl::StrCat("grad_norm: expected a norm >= 0 (or NaN/Inf for a non-finite "
+                             "gradient), got ",
+                             grad_norm));
+  }
+  const slidedp::kernels::ClipDecision d = slidedp::kernels::DecideClip(grad_norm, max_grad_norm);
+  *skip = d.skip ? 1 : 0;
+  *scale = d.scale;
+  return Ok();
+}
 
 namespace {
 

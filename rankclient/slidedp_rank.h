@@ -48,6 +48,16 @@ typedef struct slidedp_rank_options {
 SLIDEDP_RANK_EXPORT int slidedp_rank_abi_version(void);
 SLIDEDP_RANK_EXPORT const char* slidedp_rank_last_error(void);
 
+/* hostd's clip / skip rule (kernels/cpu/grad_clip.h), for the layers a rank updates itself.
+ * grad_norm: the L2 norm of the gradient as applied (after any world-size scaling); NaN or Inf
+ * for a gradient with a non-finite element. max_grad_norm: the threshold when the job's clip
+ * policy clips the layer by itself ("per_layer"); <= 0 for no clipping. Writes *skip = 1 when
+ * the update is to be skipped (non-finite norm; *scale = 1 then), else *skip = 0 and *scale =
+ * min(1, max_grad_norm / (grad_norm + 1e-6)) (1 with clipping off). INVALID_ARGUMENT for a null
+ * output or a negative finite grad_norm. Needs no handle. */
+SLIDEDP_RANK_EXPORT int slidedp_clip_scale(double grad_norm, double max_grad_norm, int* skip,
+                                           double* scale);
+
 /* The manifest hash hostd computes for an HF config.json text ("tiny" and "tiny-tied" name the
  * built-ins). Writes 16 hex digits and a NUL into out (out_len >= 17). */
 SLIDEDP_RANK_EXPORT int slidedp_manifest_hash_from_hf_config(const char* config_json_or_builtin,

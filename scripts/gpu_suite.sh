@@ -28,7 +28,7 @@ step() {  # step NAME COMMAND...: runs it with its output in OUT/NAME.log
   grep -E "^\[  (PASSED|FAILED) |Failure|R=|^Ran |^OK|FAIL|ok: " "$OUT/$name.log" | head -12
 }
 step slidedp_env "$B/slidedp-env"
-for t in cuda_kernels_test gpu_mlp_test gpu_plane_test; do step "$t" timeout 300 "$B/$t"; done
+for t in cuda_kernels_test cuda_handles_gpu_test gpu_mlp_test gpu_plane_test; do step "$t" timeout 300 "$B/$t"; done
 step rank_ctypes_gpu_test timeout 300 python3 tests/rank_ctypes_gpu_test.py "$B/hostd" \
   "$B/slidedpctl" "$BUNDLE/lib/libslidedp_rank.so"
 step gpu_trainer_test timeout 600 python3 tests/gpu_trainer_test.py "$B/hostd" \

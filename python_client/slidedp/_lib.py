@@ -6,12 +6,21 @@ source tree (build*/rankclient/); the dynamic loader's search path.
 """
 import ctypes
 import ctypes.util
+import enum
 import glob
 import os
 import threading
 
 ABI_VERSION = 2
-DTYPE_FP32, DTYPE_BF16 = 1, 2
+
+
+class DType(enum.IntEnum):
+    """A gradient's element type: SLIDEDP_DTYPE_* of the C ABI (the shared-memory DType)."""
+    FP32 = 1
+    BF16 = 2
+
+
+DTYPE_FP32, DTYPE_BF16 = DType.FP32, DType.BF16
 
 STATUS_NAMES = {
     0: "OK", 1: "CANCELLED", 2: "UNKNOWN", 3: "INVALID_ARGUMENT", 4: "DEADLINE_EXCEEDED",
@@ -62,6 +71,8 @@ _U32, _U64, _I32, _SZ = ctypes.c_uint32, ctypes.c_uint64, ctypes.c_int32, ctypes
 _PROTOS = {
     "slidedp_rank_abi_version": ([], ctypes.c_int),
     "slidedp_rank_last_error": ([], ctypes.c_char_p),
+    "slidedp_clip_scale": ([ctypes.c_double, ctypes.c_double, ctypes.POINTER(ctypes.c_int),
+                            ctypes.POINTER(ctypes.c_double)], ctypes.c_int),
     "slidedp_manifest_hash_from_hf_config": ([ctypes.c_char_p, ctypes.c_char_p, _SZ], ctypes.c_int),
     "slidedp_manifest_layers_from_hf_config": ([ctypes.c_char_p, ctypes.c_char_p, _SZ],
                                                ctypes.c_int),
@@ -158,3 +169,13 @@ def check(lib, rc, what):
     if rc != 0:
         msg = lib.slidedp_rank_last_error()
         raise SlideDPError(rc, f"{what}: {msg.decode() if msg else 'no message'}")
+
+
+def clip_scale(grad_norm, max_grad_norm, lib=None):
+    """hostd's clip / skip rule (slidedp_clip_scale): (skip, scale) for a gradient of norm
+    `grad_norm` (NaN/Inf: non-finite) under threshold `max_grad_norm` (<= 0: no clipping)."""
+    lib = lib or load()
+    skip, scale = ctypes.c_int(), ctypes.c_double()
+    check(lib, lib.slidedp_clip_scale(float(grad_norm), float(max_grad_norm), ctypes.byref(skip),
+                                      ctypes.byref(scale)), "clip scale")
+    return bool(skip.value), scale.value

@@ -68,7 +68,7 @@ class RankHandle:
         self.world_size = self._u32(self.lib.slidedp_rank_world_size)
         v = ctypes.c_int()
         check(self.lib, self.lib.slidedp_rank_grad_dtype(self.h, ctypes.byref(v)), "grad dtype")
-        self.grad_dtype = v.value
+        self.grad_dtype = _lib.DType(v.value)
         check(self.lib, self.lib.slidedp_rank_grad_route(self.h, ctypes.byref(v)), "grad route")
         self.grad_route = {1: "cpu_reduction", 2: "gpu_reduction", 3: "reduce_scatter"}[v.value]
         s = ctypes.c_uint64()
