@@ -70,18 +70,6 @@ uint64_t MonotonicNs() {
   return static_cast<uint64_t>(ts.tv_sec) * 1000000000ull + static_cast<uint64_t>(ts.tv_nsec);
 }
 
-std::string RandomHex(int bytes) {
-  std::random_device rd;
-  std::string out;
-  static const char* kHex = "0123456789abcdef";
-  for (int i = 0; i < bytes; ++i) {
-    const unsigned b = rd() & 0xff;
-    out.push_back(kHex[b >> 4]);
-    out.push_back(kHex[b & 15]);
-  }
-  return out;
-}
-
 absl::StatusOr<kernels::Isa> ChooseIsa(const std::string& name) {
   if (name.empty() || name == "auto") return kernels::BestIsa();
   std::optional<kernels::Isa> isa = kernels::ParseIsa(name);
@@ -242,7 +230,7 @@ absl::Status Engine::Shutdown(bool remove_state) {
       if (running_step_ != 0) AbortStepLocked(running_step_, "hostd is shutting down");
       slidedp::v1::SessionEvent ev;
       ev.mutable_shutting_down()->set_reason("hostd is shutting down");
-      BroadcastLocked(ev);
+      ranks_.Broadcast(ev);
       if (state_) {
         shm::Atomic(state_->control().shutting_down).store(1, std::memory_order_release);
         shm::Atomic(state_->control().wake_seq).fetch_add(1);
@@ -441,7 +429,7 @@ absl::StatusOr<slidedp::v1::UploadClientLayerResponse> Engine::UploadClientLayer
     const slidedp::v1::UploadClientLayerRequest& r) {
   absl::MutexLock lock(&mu_);
   RETURN_IF_ERROR(CheckJob(r.job_id()));
-  RETURN_IF_ERROR(CheckRankTokenLocked(r.rank(), r.attach_token()));
+  RETURN_IF_ERROR(ranks_.CheckToken(r.rank(), r.attach_token()));
   if (r.rank() != 0) {
     return absl::FailedPreconditionError(absl::StrCat(
         "rank: only rank 0 uploads the client-updated layers (every rank holds the same state); "
@@ -562,7 +550,7 @@ absl::StatusOr<slidedp::v1::ReadClientLayerResponse> Engine::ReadClientLayer(
     const slidedp::v1::ReadClientLayerRequest& r) {
   absl::MutexLock lock(&mu_);
   RETURN_IF_ERROR(CheckJob(r.job_id()));
-  RETURN_IF_ERROR(CheckRankTokenLocked(r.rank(), r.attach_token()));
+  RETURN_IF_ERROR(ranks_.CheckToken(r.rank(), r.attach_token()));
   RETURN_IF_ERROR(CheckClientLayerPartLocked(r.layer(), r.part()));
   const uint64_t numel = state_->layers()[r.layer()].numel;
   if (r.count() == 0 || r.count() > kClientLayerChunkElements) {
@@ -654,23 +642,6 @@ absl::Status Engine::CheckJob(absl::string_view job_id) const {
   if (!job_id.empty() && job_id != job_->job_id()) {
     return absl::NotFoundError(absl::StrCat("job_id: unknown job '", ShownText(job_id),
                                             "'; this hostd has '", job_->job_id(), "'"));
-  }
-  return absl::OkStatus();
-}
-
-absl::Status Engine::CheckRankTokenLocked(uint32_t rank, const std::string& token) const {
-  if (rank >= ranks_.size()) {
-    return absl::OutOfRangeError(absl::StrCat("rank: expected 0..", ranks_.size() - 1,
-                                              " (world_size ", ranks_.size(), "), got ", rank));
-  }
-  if (!ranks_[rank].attached) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("rank ", rank, " is not attached; call AttachRank first"));
-  }
-  if (token != ranks_[rank].token) {
-    return absl::PermissionDeniedError(
-        absl::StrCat("attach_token: does not match the token issued to rank ", rank,
-                     token.empty() ? " (none sent: a client older than protocol 2?)" : ""));
   }
   return absl::OkStatus();
 }
@@ -971,7 +942,7 @@ absl::Status Engine::CreateJobUnlocked(slidedp::v1::JobSpec spec, LoadedModel mo
         if (running_step_ == step) AbortStepLocked(step, "gradient protocol error: " + reason);
       });
   reducer_->Start();
-  ranks_.assign(spec.world_size(), RankEntry{});
+  ranks_.Reset(spec.world_size());
   last_grad_norm_.assign(state_->num_layers(), 0.0);
   job_ = std::move(spec);
   return absl::OkStatus();
@@ -1070,11 +1041,7 @@ absl::StatusOr<slidedp::v1::AttachRankResponse> Engine::AttachRank(
                      r.manifest_hash().empty() ? "(empty)" : ShownText(r.manifest_hash()),
                      " but the job's is ", have, "; the rank must build the same model as hostd"));
   }
-  RankEntry& e = ranks_[r.rank()];
-  if (e.attached) {
-    return absl::AlreadyExistsError(
-        absl::StrCat("rank ", r.rank(), " is already attached (pid ", e.pid, "); detach it first"));
-  }
+  RETURN_IF_ERROR(ranks_.CheckAttachable(r.rank()));
   std::vector<uint32_t> client_layers(r.client_updated_layers().begin(),
                                       r.client_updated_layers().end());
   std::sort(client_layers.begin(), client_layers.end());
@@ -1097,8 +1064,7 @@ absl::StatusOr<slidedp::v1::AttachRankResponse> Engine::AttachRank(
         " themselves and hostd never sees their gradients; use clip = per_layer or none, or "
         "let hostd update every layer (python_client: nondecoder=\"host\", resident_layers=0)"));
   }
-  const bool any_attached =
-      std::any_of(ranks_.begin(), ranks_.end(), [](const RankEntry& x) { return x.attached; });
+  const bool any_attached = ranks_.AnyAttached();
   if (any_attached && client_layers != client_layers_) {
     return absl::FailedPreconditionError(
         absl::StrCat("client_updated_layers: rank ", r.rank(), " sent ", LayerList(client_layers),
@@ -1149,21 +1115,15 @@ absl::StatusOr<slidedp::v1::AttachRankResponse> Engine::AttachRank(
       }
     }
   }
-  e = RankEntry{};
-  e.attached = true;
-  e.token = absl::StrCat(RandomHex(16), "-", ++token_counter_);
-  if (r.rank() == 0) comm_ids_.clear();
-  e.pid = r.pid();
-  e.hostname = r.hostname();
-  e.gpu = r.gpu();
-  e.last_heartbeat = SteadyClock::now();
+  const std::string& token =
+      ranks_.Attach(r.rank(), r.pid(), r.hostname(), r.gpu(), SteadyClock::now());
   shm::RankSlot& slot = state_->rank_slot(r.rank());
   shm::Atomic(slot.pid).store(static_cast<uint64_t>(r.pid()));
   shm::Atomic(slot.heartbeat_ns).store(MonotonicNs());
   shm::Atomic(slot.attached).store(1, std::memory_order_release);
 
   slidedp::v1::AttachRankResponse resp;
-  resp.set_attach_token(e.token);
+  resp.set_attach_token(token);
   resp.set_next_step(next_step_);
   resp.set_client_layers_current(!client_layers_.empty() && ClientCopyCurrentLocked());
   slidedp::v1::Layout* layout = resp.mutable_layout();
@@ -1210,7 +1170,7 @@ absl::StatusOr<slidedp::v1::AttachRankResponse> Engine::AttachRank(
 absl::Status Engine::DetachRank(const slidedp::v1::DetachRankRequest& r) {
   absl::MutexLock lock(&mu_);
   RETURN_IF_ERROR(CheckJob(r.job_id()));
-  RETURN_IF_ERROR(CheckRankTokenLocked(r.rank(), r.attach_token()));
+  RETURN_IF_ERROR(ranks_.CheckToken(r.rank(), r.attach_token()));
   if (running_step_ != 0 && !AllLayersAt(*state_, running_step_, client_updated_)) {
     AbortStepLocked(running_step_, absl::StrCat("rank ", r.rank(), " detached"));
   } else if (queued_step_ != 0) {
@@ -1221,17 +1181,8 @@ absl::Status Engine::DetachRank(const slidedp::v1::DetachRankRequest& r) {
 }
 
 void Engine::ReleaseRankLocked(uint32_t rank) {
-  ranks_[rank] = RankEntry{};
+  ranks_.Release(rank);
   shm::Atomic(state_->rank_slot(rank).attached).store(0, std::memory_order_release);
-  // The communicator ids rank 0 published die with its attachment: a rank of the next
-  // attachment must not fetch them (its communicator would wait for a rank 0 long gone).
-  if (rank == 0) comm_ids_.clear();
-}
-
-void Engine::BroadcastLocked(const slidedp::v1::SessionEvent& ev) {
-  for (RankEntry& e : ranks_) {
-    if (e.connected) e.events.push_back(ev);
-  }
 }
 
 absl::StatusOr<slidedp::v1::BeginStepResponse> Engine::BeginStep(
@@ -1242,14 +1193,14 @@ absl::StatusOr<slidedp::v1::BeginStepResponse> Engine::BeginStep(
   deadline = std::min(deadline, absl::Now() + kExportHoldMax);
   for (;;) {
     RETURN_IF_ERROR(CheckJob(r.job_id()));
-    RETURN_IF_ERROR(CheckRankTokenLocked(r.rank(), r.attach_token()));
+    RETURN_IF_ERROR(ranks_.CheckToken(r.rank(), r.attach_token()));
     RETURN_IF_ERROR(AwaitSealsLocked());
     RETURN_IF_ERROR(CheckNotTornLocked());
     // A step aborted before this rank began it (another rank's failure sealed it while this one
     // was still finishing the previous step): the rank is told what happened, as a rank inside
     // the step is, rather than that it asked for the wrong step.
     if (r.step() < (running_step_ != 0 ? running_step_ : next_step_) &&
-        ranks_[r.rank()].last_step < r.step()) {
+        ranks_.rank(r.rank()).last_step < r.step()) {
       for (const auto& [step, reason] : recent_aborts_) {
         if (step != r.step()) continue;
         return absl::AbortedError(absl::StrCat(
@@ -1279,7 +1230,7 @@ absl::StatusOr<slidedp::v1::BeginStepResponse> Engine::BeginStep(
                            " (queued behind it), got ", r.step())
             : absl::StrCat("step: expected ", next_step_, " (next), got ", r.step()));
   }
-  ranks_[r.rank()].last_step = r.step();
+  ranks_.NoteBegun(r.rank(), r.step());
   shm::Atomic(state_->rank_slot(r.rank()).step).store(r.step());
   if (queue) {
     if (queued_step_ == 0) {
@@ -1318,7 +1269,7 @@ void Engine::StartStepLocked(uint64_t step) {
   }
   slidedp::v1::SessionEvent ev;
   ev.mutable_step_begun()->set_step(step);
-  BroadcastLocked(ev);
+  ranks_.Broadcast(ev);
 }
 
 void Engine::BumpAbortEpochLocked() {
@@ -1352,7 +1303,7 @@ void Engine::DropQueuedStepLocked(absl::string_view reason, bool bump_epoch) {
   slidedp::v1::SessionEvent ev;
   ev.mutable_step_aborted()->set_step(step);
   ev.mutable_step_aborted()->set_reason(std::string(reason));
-  BroadcastLocked(ev);
+  ranks_.Broadcast(ev);
 }
 
 void Engine::MarkCompletedLocked(uint64_t step) {
@@ -1402,7 +1353,7 @@ void Engine::AbortStepLocked(uint64_t step, absl::string_view reason) {
   slidedp::v1::SessionEvent ev;
   ev.mutable_step_aborted()->set_step(step);
   ev.mutable_step_aborted()->set_reason(std::string(reason));
-  BroadcastLocked(ev);
+  ranks_.Broadcast(ev);
 }
 
 std::string Engine::TornMessageLocked() const {
@@ -1575,7 +1526,7 @@ absl::Status Engine::WaitLayerVersion(uint32_t layer, uint64_t version, millisec
 absl::Status Engine::PublishCommId(const slidedp::v1::PublishCommIdRequest& r) {
   absl::MutexLock lock(&mu_);
   RETURN_IF_ERROR(CheckJob(r.job_id()));
-  RETURN_IF_ERROR(CheckRankTokenLocked(r.rank(), r.attach_token()));
+  RETURN_IF_ERROR(ranks_.CheckToken(r.rank(), r.attach_token()));
   if (r.rank() != 0) {
     return absl::PermissionDeniedError(
         absl::StrCat("rank: only rank 0 publishes the communicator id, got rank ", r.rank()));
@@ -1587,44 +1538,36 @@ absl::Status Engine::PublishCommId(const slidedp::v1::PublishCommIdRequest& r) {
   if (r.generation() == 0) {
     return absl::InvalidArgumentError("generation: expected >= 1, got 0");
   }
-  // Ids are of rank 0's current attachment (ReleaseRankLocked drops them with it), so a new
-  // training process starts from any generation; within one attachment each is published once.
-  if (!comm_ids_.emplace(r.generation(), r.unique_id()).second) {
-    return absl::AlreadyExistsError(absl::StrCat(
-        "generation: ", r.generation(),
-        " is already published by this attachment of rank 0; a re-created communicator takes "
-        "the next generation"));
-  }
-  return absl::OkStatus();
+  return ranks_.PublishCommId(r.generation(), r.unique_id());
 }
 
 absl::StatusOr<slidedp::v1::FetchCommIdResponse> Engine::FetchCommId(
     const slidedp::v1::FetchCommIdRequest& r, absl::Time deadline) {
   absl::MutexLock lock(&mu_);
   RETURN_IF_ERROR(CheckJob(r.job_id()));
-  RETURN_IF_ERROR(CheckRankTokenLocked(r.rank(), r.attach_token()));
+  RETURN_IF_ERROR(ranks_.CheckToken(r.rank(), r.attach_token()));
   if (r.generation() == 0) {
     return absl::InvalidArgumentError("generation: expected >= 1, got 0");
   }
   const uint64_t gen = r.generation();
   const uint64_t wait_ms = std::min<uint64_t>(r.wait_ms(), 600000);
-  const std::string token = ranks_[r.rank()].token;
+  const std::string token = ranks_.rank(r.rank()).token;
   auto ready = [this, gen, &r, &token]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    return !serving_ || comm_ids_.count(gen) != 0 || ranks_[r.rank()].token != token;
+    return !serving_ || ranks_.FindCommId(gen) != nullptr || ranks_.rank(r.rank()).token != token;
   };
   mu_.AwaitWithDeadline(
       absl::Condition(&ready),
       std::min(deadline, absl::Now() + absl::Milliseconds(static_cast<int64_t>(wait_ms))));
   RETURN_IF_ERROR(CheckServing());
-  RETURN_IF_ERROR(CheckRankTokenLocked(r.rank(), r.attach_token()));
-  auto it = comm_ids_.find(gen);
-  if (it == comm_ids_.end()) {
+  RETURN_IF_ERROR(ranks_.CheckToken(r.rank(), r.attach_token()));
+  const std::string* id = ranks_.FindCommId(gen);
+  if (id == nullptr) {
     return absl::DeadlineExceededError(
         absl::StrCat("rank 0 has not published the communicator id of generation ", gen, " within ",
-                     wait_ms, " ms", ranks_[0].attached ? "" : " (rank 0 is not attached)"));
+                     wait_ms, " ms", ranks_.rank(0).attached ? "" : " (rank 0 is not attached)"));
   }
   slidedp::v1::FetchCommIdResponse resp;
-  resp.set_unique_id(it->second);
+  resp.set_unique_id(*id);
   return resp;
 }
 
@@ -1643,28 +1586,6 @@ std::vector<slidedp::v1::LayerStatus> Engine::LayerStatuses() const {
     s.set_numa_node(state_->numa_node() >= 0 ? state_->numa_node() : state_node_);
     s.set_skipped_steps(shm::Atomic(state_->layer_control(info.index).skipped_steps).load());
     s.set_last_grad_norm(last_grad_norm_.empty() ? 0 : last_grad_norm_[info.index]);
-    out.push_back(std::move(s));
-  }
-  return out;
-}
-
-std::vector<slidedp::v1::RankStatus> Engine::RankStatuses() const {
-  std::vector<slidedp::v1::RankStatus> out;
-  const auto now = SteadyClock::now();
-  for (uint32_t r = 0; r < ranks_.size(); ++r) {
-    const RankEntry& e = ranks_[r];
-    slidedp::v1::RankStatus s;
-    s.set_rank(r);
-    s.set_pid(e.pid);
-    s.set_hostname(e.hostname);
-    s.set_gpu(e.gpu);
-    s.set_connected(e.connected);
-    s.set_attached(e.attached);
-    s.set_last_step(e.last_step);
-    if (e.attached) {
-      s.set_ms_since_heartbeat(static_cast<uint64_t>(
-          std::chrono::duration_cast<milliseconds>(now - e.last_heartbeat).count()));
-    }
     out.push_back(std::move(s));
   }
   return out;
@@ -1723,7 +1644,7 @@ absl::StatusOr<slidedp::v1::GetStatusResponse> Engine::GetStatus() {
   }
   js->set_checkpoint_in_flight_step(checkpointer_->in_flight_step());
   for (auto& l : LayerStatuses()) *resp.add_layers() = std::move(l);
-  for (auto& r : RankStatuses()) *resp.add_ranks() = std::move(r);
+  for (auto& r : ranks_.Statuses(SteadyClock::now())) *resp.add_ranks() = std::move(r);
   for (const auto& seg : state_->segments()) {
     auto* s = resp.add_segments();
     s->set_name(seg.name);
@@ -1749,8 +1670,7 @@ absl::StatusOr<std::string> Engine::StatusLine(absl::Duration max_wait) {
   if (!job_) {
     line = creating_ ? CreationLineLocked() : std::string("serving, no job");
   } else {
-    int attached = 0;
-    for (const RankEntry& r : ranks_) attached += r.attached ? 1 : 0;
+    const uint32_t attached = ranks_.NumAttached();
     line = absl::StrCat("job ", job_->job_id(), " (", state_->model().manifest.name(),
                         "): ", steps_completed_, " steps, ", step_state_, ", ", attached, "/",
                         job_->world_size(), " ranks attached");
@@ -1784,7 +1704,7 @@ absl::StatusOr<slidedp::v1::ListRanksResponse> Engine::ListRanks(
   absl::MutexLock lock(&mu_);
   RETURN_IF_ERROR(CheckJob(r.job_id()));
   slidedp::v1::ListRanksResponse resp;
-  for (auto& s : RankStatuses()) *resp.add_ranks() = std::move(s);
+  for (auto& s : ranks_.Statuses(SteadyClock::now())) *resp.add_ranks() = std::move(s);
   return resp;
 }
 
@@ -1895,7 +1815,7 @@ absl::StatusOr<slidedp::v1::UpdateHyperParamsResponse> Engine::UpdateHyperParams
   *job_->mutable_optimizer() = next;
   slidedp::v1::SessionEvent ev;
   *ev.mutable_hyper_params_changed()->mutable_optimizer() = next;
-  BroadcastLocked(ev);
+  ranks_.Broadcast(ev);
   slidedp::v1::UpdateHyperParamsResponse resp;
   *resp.mutable_optimizer() = next;
   return resp;
@@ -1905,29 +1825,17 @@ absl::StatusOr<slidedp::v1::SessionOpened> Engine::OpenSession(
     const slidedp::v1::SessionOpen& open) {
   absl::MutexLock lock(&mu_);
   RETURN_IF_ERROR(CheckJob(open.job_id()));
-  RETURN_IF_ERROR(CheckRankTokenLocked(open.rank(), open.attach_token()));
-  RankEntry& e = ranks_[open.rank()];
-  if (e.connected) {
-    return absl::AlreadyExistsError(
-        absl::StrCat("rank ", open.rank(), " already has an open session"));
-  }
-  e.connected = true;
-  e.last_heartbeat = SteadyClock::now();
+  RETURN_IF_ERROR(ranks_.OpenSession(open.rank(), open.attach_token(), SteadyClock::now()));
   slidedp::v1::SessionOpened opened;
   opened.set_heartbeat_interval_ms(config_.heartbeat_interval_ms);
   opened.set_heartbeat_deadline_ms(config_.heartbeat_deadline_ms);
   return opened;
 }
 
-bool Engine::IsAttachmentLocked(uint32_t rank, const std::string& token) const {
-  return rank < ranks_.size() && ranks_[rank].attached && ranks_[rank].token == token;
-}
-
 void Engine::SessionHeartbeat(uint32_t rank, const std::string& token,
                               const slidedp::v1::Heartbeat& hb) {
   absl::MutexLock lock(&mu_);
-  if (!IsAttachmentLocked(rank, token) || !ranks_[rank].connected) return;
-  ranks_[rank].last_heartbeat = SteadyClock::now();
+  if (!ranks_.Heartbeat(rank, token, SteadyClock::now())) return;
   shm::Atomic(state_->rank_slot(rank).heartbeat_ns).store(MonotonicNs());
   shm::Atomic(state_->rank_slot(rank).layer).store(hb.layer());
 }
@@ -1936,7 +1844,7 @@ void Engine::SessionClosed(uint32_t rank, const std::string& token, absl::string
   absl::MutexLock lock(&mu_);
   // The stream of an attachment that already ended (the rank detached, or re-attached with a new
   // token) closing late must not end the attachment that replaced it.
-  if (!IsAttachmentLocked(rank, token)) return;
+  if (!ranks_.IsAttachment(rank, token)) return;
   spdlog::warn("rank {} session closed: {}", rank, std::string(reason));
   if (running_step_ != 0 && serving_ && !AllLayersAt(*state_, running_step_, client_updated_)) {
     AbortStepLocked(running_step_, absl::StrCat("rank ", rank, " lost: ", reason));
@@ -1951,19 +1859,15 @@ std::optional<slidedp::v1::SessionEvent> Engine::NextSessionEvent(uint32_t rank,
                                                                   milliseconds timeout) {
   absl::MutexLock lock(&mu_);
   auto ready = [this, rank, &token]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    return !IsAttachmentLocked(rank, token) || !ranks_[rank].connected ||
-           !ranks_[rank].events.empty();
+    return ranks_.EventReadyOrGone(rank, token);
   };
   mu_.AwaitWithTimeout(absl::Condition(&ready), absl::Milliseconds(timeout.count()));
-  if (!IsAttachmentLocked(rank, token) || ranks_[rank].events.empty()) return std::nullopt;
-  slidedp::v1::SessionEvent ev = std::move(ranks_[rank].events.front());
-  ranks_[rank].events.pop_front();
-  return ev;
+  return ranks_.PopEvent(rank, token);
 }
 
 bool Engine::SessionActive(uint32_t rank, const std::string& token) const {
   absl::MutexLock lock(&mu_);
-  return serving_ && IsAttachmentLocked(rank, token) && ranks_[rank].connected;
+  return serving_ && ranks_.SessionOpen(rank, token);
 }
 
 absl::StatusOr<slidedp::v1::ExportHFResponse> Engine::ExportHF(
@@ -2080,16 +1984,13 @@ void Engine::MonitorLoop() {
     if (monitor_stop_) break;
     if (!state_) continue;
     shm::Atomic(state_->control().hostd_alive_ns).store(MonotonicNs(), std::memory_order_release);
-    const auto now = SteadyClock::now();
-    for (uint32_t r = 0; r < ranks_.size(); ++r) {
-      RankEntry& e = ranks_[r];
-      if (!e.connected || now - e.last_heartbeat <= deadline) continue;
+    for (uint32_t r : ranks_.MissedDeadline(SteadyClock::now(), deadline)) {
       spdlog::warn("rank {} missed its heartbeat deadline ({} ms)", r, deadline.count());
       if (running_step_ != 0 && serving_) {
         AbortStepLocked(running_step_, absl::StrCat("rank ", r, " missed its heartbeat deadline"));
       }
       // The rank stays attached but disconnected; its stream handler ends on the next event.
-      e.connected = false;
+      ranks_.Disconnect(r);
     }
   }
 }

@@ -39,7 +39,6 @@
 #include <cstdint>
 #include <deque>
 #include <functional>
-#include <map>
 #include <memory>
 #include <optional>
 #include <string>
@@ -56,6 +55,7 @@
 #include "hostd/checkpoint.h"
 #include "hostd/config.h"
 #include "hostd/optimizer.h"
+#include "hostd/rank_table.h"
 #include "hostd/reducer.h"
 #include "hostd/state.h"
 #include "hostd/topology.h"
@@ -188,18 +188,6 @@ class Engine {
   const Topology& topology() const { return topology_; }
 
  private:
-  struct RankEntry {
-    bool attached = false;
-    bool connected = false;
-    std::string token;
-    int32_t pid = 0;
-    std::string hostname;
-    int32_t gpu = -1;
-    uint64_t last_step = 0;
-    std::chrono::steady_clock::time_point last_heartbeat;
-    std::deque<slidedp::v1::SessionEvent> events;
-  };
-
   Engine(HostdConfig config, std::vector<ConfigEntry> entries,
          CreationProgressFn creation_progress);
   absl::Status Init(std::optional<Topology> topology);
@@ -244,12 +232,7 @@ class Engine {
   absl::Status FinalCheckpoint();
   absl::Status CheckJob(absl::string_view job_id) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
   absl::Status CheckServing() const ABSL_SHARED_LOCKS_REQUIRED(mu_);
-  // FAILED_PRECONDITION / PERMISSION_DENIED unless `rank` is attached with `token`.
-  absl::Status CheckRankTokenLocked(uint32_t rank, const std::string& token) const
-      ABSL_SHARED_LOCKS_REQUIRED(mu_);
-  bool IsAttachmentLocked(uint32_t rank, const std::string& token) const
-      ABSL_SHARED_LOCKS_REQUIRED(mu_);
-  // Ends the rank's attachment (a detach or a lost session); rank 0's comm ids go with it.
+  // Ends the rank's attachment (a detach or a lost session) in the table and in its RankSlot.
   void ReleaseRankLocked(uint32_t rank) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Remembers an aborted or dropped step and why, for a rank that asks to begin it later.
   void NoteAbortLocked(uint64_t step, absl::string_view reason) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -269,11 +252,9 @@ class Engine {
   // FAILED_PRECONDITION naming the torn layers, if any.
   absl::Status CheckNotTornLocked() const ABSL_SHARED_LOCKS_REQUIRED(mu_);
   std::string TornMessageLocked() const ABSL_SHARED_LOCKS_REQUIRED(mu_);
-  void BroadcastLocked(const slidedp::v1::SessionEvent& ev) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void OnLayerDone(const LayerUpdateResult& r);
   void MonitorLoop();
   std::vector<slidedp::v1::LayerStatus> LayerStatuses() const ABSL_SHARED_LOCKS_REQUIRED(mu_);
-  std::vector<slidedp::v1::RankStatus> RankStatuses() const ABSL_SHARED_LOCKS_REQUIRED(mu_);
 
   const HostdConfig config_;
   const std::vector<ConfigEntry> entries_;
@@ -300,7 +281,7 @@ class Engine {
   std::unique_ptr<Checkpointer> checkpointer_;     // set once under mu_, then read-only
   std::string resumed_from_ ABSL_GUARDED_BY(mu_);  // the checkpoint the job started from
   uint64_t start_step_ ABSL_GUARDED_BY(mu_) = 0;   // the version the job started at
-  std::vector<RankEntry> ranks_ ABSL_GUARDED_BY(mu_);
+  RankTable ranks_ ABSL_GUARDED_BY(mu_);
   uint64_t next_step_ ABSL_GUARDED_BY(mu_) = 1;
   uint64_t running_step_ ABSL_GUARDED_BY(mu_) = 0;  // 0: none
   uint64_t queued_step_ ABSL_GUARDED_BY(mu_) = 0;   // 0: none, else running_step_ + 1
@@ -342,11 +323,8 @@ class Engine {
   uint64_t exports_completed_ ABSL_GUARDED_BY(mu_) = 0;
   std::vector<uint32_t> torn_layers_ ABSL_GUARDED_BY(mu_);
   std::vector<double> last_grad_norm_ ABSL_GUARDED_BY(mu_);
-  // The communicator ids rank 0's current attachment published, by generation.
-  std::map<uint64_t, std::string> comm_ids_ ABSL_GUARDED_BY(mu_);
   // The last aborted or dropped steps and their causes, oldest first.
   std::deque<std::pair<uint64_t, std::string>> recent_aborts_ ABSL_GUARDED_BY(mu_);
-  uint64_t token_counter_ ABSL_GUARDED_BY(mu_) = 0;
   bool monitor_stop_ ABSL_GUARDED_BY(mu_) = false;
   // An ExportHF is writing: no step starts (BeginStep waits, a queued step stays queued).
   bool export_active_ ABSL_GUARDED_BY(mu_) = false;
