@@ -9,7 +9,6 @@
 #include <algorithm>
 #include <filesystem>
 #include <fstream>
-#include <iterator>
 #include <random>
 #include <utility>
 
@@ -46,10 +45,6 @@ constexpr uint32_t kGradPushingRank = 0;
 // sees the step done (WaitStep) at this point, so its detach or exit must not abort the step.
 // Layers the ranks update themselves (`client_updated`) are published only when the step
 // completes, so they are not waited for.
-// Upper bounds (seconds) of the step-time histogram: tiny CPU jobs to multi-minute steps.
-constexpr double kStepSecondsBounds[] = {0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1,
-                                         2.5,  5,     10,   25,  60,   120, 300};
-
 bool AllLayersAt(const TrainingState& state, uint64_t step,
                  const std::vector<bool>& client_updated) {
   for (uint32_t l = 0; l < state.num_layers(); ++l) {
@@ -105,8 +100,6 @@ int64_t UnixMs() {
 
 // The longest a BeginStep waits for an HF export that holds the steps.
 constexpr absl::Duration kExportHoldMax = absl::Minutes(30);
-// How many aborted or dropped steps BeginStep can name (a rank is at most a step or two behind).
-constexpr size_t kRecentAborts = 16;
 
 // How long an RPC with wait blocks for a checkpoint to commit.
 constexpr int64_t kCheckpointWaitMs = int64_t{6} * 3600 * 1000;
@@ -227,7 +220,7 @@ absl::Status Engine::Shutdown(bool remove_state) {
     absl::MutexLock lock(&mu_);
     if (serving_) {
       serving_ = false;
-      if (running_step_ != 0) AbortStepLocked(running_step_, "hostd is shutting down");
+      if (seq_.running_step() != 0) AbortStepLocked(seq_.running_step(), "hostd is shutting down");
       slidedp::v1::SessionEvent ev;
       ev.mutable_shutting_down()->set_reason("hostd is shutting down");
       ranks_.Broadcast(ev);
@@ -377,7 +370,8 @@ absl::Status Engine::CheckCheckpointableLocked(uint64_t version) const {
 
 bool Engine::ClientCopyCurrentLocked() const {
   if (client_layers_.empty()) return true;
-  return running_step_ == 0 && client_copy_version_ && *client_copy_version_ + 1 == next_step_;
+  return seq_.running_step() == 0 && client_copy_version_ &&
+         *client_copy_version_ + 1 == seq_.next_step();
 }
 
 void Engine::RequestClientSyncLocked(uint64_t step) {
@@ -461,11 +455,12 @@ absl::StatusOr<slidedp::v1::UploadClientLayerResponse> Engine::UploadClientLayer
       }
       break;
     }
-    if (running_step_ != 0 || r.step() + 1 != next_step_ || export_active_) {
+    if (seq_.running_step() != 0 || r.step() + 1 != seq_.next_step() || export_active_) {
       return absl::FailedPreconditionError(absl::StrCat(
           "step: hostd accepts an unasked upload only between steps, of the last completed step (",
-          next_step_ - 1, "), with no export running; got version ", r.step(),
-          running_step_ != 0 ? absl::StrCat(" while step ", running_step_, " runs") : ""));
+          seq_.next_step() - 1, "), with no export running; got version ", r.step(),
+          seq_.running_step() != 0 ? absl::StrCat(" while step ", seq_.running_step(), " runs")
+                                   : ""));
     }
     if (client_copy_version_ == r.step() && client_upload_step_ != r.step()) {
       return absl::AlreadyExistsError(absl::StrCat(
@@ -567,8 +562,8 @@ absl::StatusOr<slidedp::v1::ReadClientLayerResponse> Engine::ReadClientLayer(
         "hostd's copy of layer ", r.layer(), " is ",
         client_copy_version_ ? absl::StrCat("at version ", *client_copy_version_)
                              : std::string("of an unknown version"),
-        " but the job is at step ", next_step_ - 1,
-        running_step_ != 0 ? absl::StrCat(" (step ", running_step_, " running)") : "",
+        " but the job is at step ", seq_.next_step() - 1,
+        seq_.running_step() != 0 ? absl::StrCat(" (step ", seq_.running_step(), " running)") : "",
         ": the ranks' state of it is newer; restart hostd from a checkpoint (--resume) to "
         "continue"));
   }
@@ -576,7 +571,7 @@ absl::StatusOr<slidedp::v1::ReadClientLayerResponse> Engine::ReadClientLayer(
                      : r.part() == 1 ? state_->exp_avg(r.layer())
                                      : state_->exp_avg_sq(r.layer());
   slidedp::v1::ReadClientLayerResponse resp;
-  resp.set_version(next_step_ - 1);
+  resp.set_version(seq_.next_step() - 1);
   resp.set_data(reinterpret_cast<const char*>(src + r.offset()), r.count() * sizeof(float));
   return resp;
 }
@@ -606,7 +601,9 @@ absl::StatusOr<slidedp::v1::CheckpointResponse> Engine::Checkpoint(
     // later: a checkpoint of the step before a begun one must capture every layer before that
     // step's updates, and those waited (the H200 stall run: the first step of a checkpoint
     // took twice as long).
-    step = queued_step_ != 0 ? queued_step_ : running_step_ != 0 ? running_step_ : next_step_ - 1;
+    step = seq_.queued_step() != 0    ? seq_.queued_step()
+           : seq_.running_step() != 0 ? seq_.running_step()
+                                      : seq_.next_step() - 1;
     RETURN_IF_ERROR(StartCheckpointLocked(dir, step));
     spdlog::info("checkpoint of step {} requested into {}", step, dir);
     path =
@@ -860,8 +857,7 @@ absl::Status Engine::CreateJobUnlocked(slidedp::v1::JobSpec spec, LoadedModel mo
   // Installed even when hostd began stopping meanwhile: Shutdown then treats it like any job
   // (a re-adopted one's final checkpoint, a fresh one's segments removed).
   state_ = std::move(state);
-  next_step_ = next_step;
-  steps_completed_ = steps_completed;
+  seq_.Reset(next_step, steps_completed);
   start_step_ = start_step;
   resumed_from_ = resumed_from;
   client_copy_version_ = client_copy_version;
@@ -939,7 +935,9 @@ absl::Status Engine::CreateJobUnlocked(slidedp::v1::JobSpec spec, LoadedModel mo
       [this](const LayerUpdateResult& r) { OnLayerDone(r); },
       [this](uint64_t step, const std::string& reason) {
         absl::MutexLock lock(&mu_);
-        if (running_step_ == step) AbortStepLocked(step, "gradient protocol error: " + reason);
+        if (seq_.running_step() == step) {
+          AbortStepLocked(step, "gradient protocol error: " + reason);
+        }
       });
   reducer_->Start();
   ranks_.Reset(spec.world_size());
@@ -1072,9 +1070,9 @@ absl::StatusOr<slidedp::v1::AttachRankResponse> Engine::AttachRank(
                      " themselves; every rank of the job must send the same set"));
   }
   if (!any_attached && client_layers != client_layers_) {
-    if (running_step_ != 0) {
+    if (seq_.running_step() != 0) {
       return absl::FailedPreconditionError(
-          absl::StrCat("client_updated_layers: step ", running_step_,
+          absl::StrCat("client_updated_layers: step ", seq_.running_step(),
                        " is running; the set can change only between steps"));
     }
     if (!ClientCopyCurrentLocked()) {
@@ -1083,21 +1081,21 @@ absl::StatusOr<slidedp::v1::AttachRankResponse> Engine::AttachRank(
           " themselves in earlier steps and hostd's copy of them is ",
           client_copy_version_ ? absl::StrCat("at version ", *client_copy_version_)
                                : std::string("of an unknown version"),
-          ", not the job's step ", next_step_ - 1,
+          ", not the job's step ", seq_.next_step() - 1,
           "; attach with the same set (and the ranks' state of those layers), restart hostd "
           "from a checkpoint (--resume), or start a new job"));
     }
     client_layers_ = client_layers;
     // hostd updated the newly listed layers up to now (or its copy of them was current): its
     // copy is the job's state at the last completed step, unless unknown (a re-adopted job).
-    if (client_copy_version_) client_copy_version_ = next_step_ - 1;
+    if (client_copy_version_) client_copy_version_ = seq_.next_step() - 1;
     client_updated_.assign(state_->num_layers(), false);
     for (uint32_t l : client_layers_) client_updated_[l] = true;
     if (!client_layers_.empty()) {
       spdlog::info("the ranks update layers {} themselves; hostd's copy of them is not updated",
                    LayerList(client_layers_));
     }
-    if (steps_completed_ == 0 && next_step_ == 1) {
+    if (seq_.steps_completed() == 0 && seq_.next_step() == 1) {
       // A fresh job: the moments of layers hostd will not update are zeros and stay so; their
       // memory goes back to the system (the ranks hold those layers' moments).
       size_t released = 0;
@@ -1124,7 +1122,7 @@ absl::StatusOr<slidedp::v1::AttachRankResponse> Engine::AttachRank(
 
   slidedp::v1::AttachRankResponse resp;
   resp.set_attach_token(token);
-  resp.set_next_step(next_step_);
+  resp.set_next_step(seq_.next_step());
   resp.set_client_layers_current(!client_layers_.empty() && ClientCopyCurrentLocked());
   slidedp::v1::Layout* layout = resp.mutable_layout();
   layout->set_chunk_bytes(job_->routes().chunk_bytes());
@@ -1171,9 +1169,9 @@ absl::Status Engine::DetachRank(const slidedp::v1::DetachRankRequest& r) {
   absl::MutexLock lock(&mu_);
   RETURN_IF_ERROR(CheckJob(r.job_id()));
   RETURN_IF_ERROR(ranks_.CheckToken(r.rank(), r.attach_token()));
-  if (running_step_ != 0 && !AllLayersAt(*state_, running_step_, client_updated_)) {
-    AbortStepLocked(running_step_, absl::StrCat("rank ", r.rank(), " detached"));
-  } else if (queued_step_ != 0) {
+  if (seq_.running_step() != 0 && !AllLayersAt(*state_, seq_.running_step(), client_updated_)) {
+    AbortStepLocked(seq_.running_step(), absl::StrCat("rank ", r.rank(), " detached"));
+  } else if (seq_.queued_step() != 0) {
     DropQueuedStepLocked(absl::StrCat("rank ", r.rank(), " detached"));
   }
   ReleaseRankLocked(r.rank());
@@ -1196,19 +1194,9 @@ absl::StatusOr<slidedp::v1::BeginStepResponse> Engine::BeginStep(
     RETURN_IF_ERROR(ranks_.CheckToken(r.rank(), r.attach_token()));
     RETURN_IF_ERROR(AwaitSealsLocked());
     RETURN_IF_ERROR(CheckNotTornLocked());
-    // A step aborted before this rank began it (another rank's failure sealed it while this one
-    // was still finishing the previous step): the rank is told what happened, as a rank inside
-    // the step is, rather than that it asked for the wrong step.
-    if (r.step() < (running_step_ != 0 ? running_step_ : next_step_) &&
-        ranks_.rank(r.rank()).last_step < r.step()) {
-      for (const auto& [step, reason] : recent_aborts_) {
-        if (step != r.step()) continue;
-        return absl::AbortedError(absl::StrCat(
-            "step ", step, " was aborted before rank ", r.rank(), " began it (", reason,
-            "); begin step ", running_step_ != 0 ? running_step_ : next_step_, " next"));
-      }
-    }
-    if (running_step_ == 0 && r.step() == next_step_ && export_active_) {
+    RETURN_IF_ERROR(
+        seq_.CheckNotAbortedBeforeBegun(r.rank(), ranks_.rank(r.rank()).last_step, r.step()));
+    if (seq_.WouldStart(r.step()) && export_active_) {
       auto done = [this]()
                       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return !export_active_ || !serving_; };
       if (!mu_.AwaitWithDeadline(absl::Condition(&done), deadline)) {
@@ -1219,25 +1207,14 @@ absl::StatusOr<slidedp::v1::BeginStepResponse> Engine::BeginStep(
     }
     break;
   }
-  // While step t's updates run, t + 1 is accepted at once and queued; it starts the moment t
-  // completes (OnLayerDone). The ranks' forward of t + 1 waits per layer on the version gates.
-  const bool queue = running_step_ != 0 && r.step() == running_step_ + 1;
-  const uint64_t expected = running_step_ != 0 ? running_step_ : next_step_;
-  if (r.step() != expected && !queue) {
-    return absl::OutOfRangeError(
-        running_step_ != 0
-            ? absl::StrCat("step: expected ", running_step_, " (running) or ", running_step_ + 1,
-                           " (queued behind it), got ", r.step())
-            : absl::StrCat("step: expected ", next_step_, " (next), got ", r.step()));
-  }
+  // A queued step starts the moment its predecessor completes (OnLayerDone).
+  const uint64_t queued_before = seq_.queued_step();
+  ASSIGN_OR_RETURN(const StepSequencer::BeginAction action, seq_.Begin(r.step()));
   ranks_.NoteBegun(r.rank(), r.step());
   shm::Atomic(state_->rank_slot(r.rank()).step).store(r.step());
-  if (queue) {
-    if (queued_step_ == 0) {
-      queued_step_ = r.step();
-      spdlog::debug("step {} queued behind step {}", r.step(), running_step_);
-    }
-  } else if (running_step_ == 0) {
+  if (action == StepSequencer::BeginAction::kQueue && queued_before == 0) {
+    spdlog::debug("step {} queued behind step {}", r.step(), seq_.running_step());
+  } else if (action == StepSequencer::BeginAction::kStart) {
     StartStepLocked(r.step());
   }
   slidedp::v1::BeginStepResponse resp;
@@ -1246,10 +1223,7 @@ absl::StatusOr<slidedp::v1::BeginStepResponse> Engine::BeginStep(
 }
 
 void Engine::StartStepLocked(uint64_t step) {
-  step_started_ = SteadyClock::now();
-  running_step_ = step;
-  step_state_ = "running";
-  layers_done_in_step_ = 0;
+  seq_.Start(step, SteadyClock::now());
   step_update_seconds_ = 0;
   step_layers_.clear();
   reducer_->Arm(step);
@@ -1285,18 +1259,16 @@ void Engine::BumpAbortEpochLocked() {
 }
 
 void Engine::DropQueuedStepLocked(absl::string_view reason, bool bump_epoch) {
-  const uint64_t step = queued_step_;
+  const uint64_t step = seq_.DropQueued(ShownText(reason, 256));
   if (step == 0) return;
   spdlog::warn("dropping queued step {}: {}", step, std::string(reason));
-  NoteAbortLocked(step, reason);
-  queued_step_ = 0;
   // The step's ranks may be anywhere in it; only the abort epoch reaches all of them. Nothing of
   // the running step is disturbed: its pushers are done (the callers make sure of that).
   if (bump_epoch) {
     // Every layer of the running step is published (the callers checked), though OnLayerDone may
     // not have counted the last one yet: mark it completed before the epoch moves, or a rank's
     // WaitStep of it would take this drop for an abort of it.
-    MarkCompletedLocked(running_step_);
+    MarkCompletedLocked(seq_.running_step());
     BumpAbortEpochLocked();
   }
   reducer_->DiscardStep(step);
@@ -1313,18 +1285,9 @@ void Engine::MarkCompletedLocked(uint64_t step) {
   }
 }
 
-void Engine::NoteAbortLocked(uint64_t step, absl::string_view reason) {
-  recent_aborts_.emplace_back(step, ShownText(reason, 256));
-  if (recent_aborts_.size() > kRecentAborts) recent_aborts_.pop_front();
-}
-
 void Engine::AbortStepLocked(uint64_t step, absl::string_view reason) {
   spdlog::warn("aborting step {}: {}", step, std::string(reason));
-  NoteAbortLocked(step, reason);
-  steps_aborted_++;
-  running_step_ = 0;
-  next_step_ = step + 1;
-  step_state_ = "aborted";
+  seq_.Abort(step, ShownText(reason, 256));
   shm::ControlBlock& cb = state_->control();
   shm::Atomic(cb.step_state).store(static_cast<uint64_t>(shm::StepState::kAborting));
   BumpAbortEpochLocked();
@@ -1332,16 +1295,12 @@ void Engine::AbortStepLocked(uint64_t step, absl::string_view reason) {
   // The queued step goes with it (the same epoch bump tells its ranks); it is the next step.
   DropQueuedStepLocked(absl::StrCat("queued behind step ", step, ", which was aborted: ", reason),
                        /*bump_epoch=*/false);
-  seals_pending_++;
   worker_->AbortStep(step, [this, step] {
     // On the worker thread, after every update of the step has finished or been dropped: the
     // versions are final, so this is where a torn layer becomes known.
     const std::vector<uint32_t> torn = worker_->TornLayers();
     absl::MutexLock lock(&mu_);
-    seals_pending_--;
-    if (torn.size() > torn_layers_.size()) {
-      torn_layers_ = torn;
-      step_state_ = "torn";
+    if (seq_.Sealed(torn)) {
       spdlog::error("step {} was aborted in the middle of a chunk-granular update: {}", step,
                     TornMessageLocked());
       checkpointer_->Cancel("the state is torn");
@@ -1356,37 +1315,35 @@ void Engine::AbortStepLocked(uint64_t step, absl::string_view reason) {
   ranks_.Broadcast(ev);
 }
 
+std::string Engine::DescribeTornLayerLocked(uint32_t layer) const {
+  shm::LayerControl& lc = state_->layer_control(layer);
+  return absl::StrCat("layer ", layer, " '", state_->layers()[layer].name, "' (committed_version ",
+                      shm::Atomic(lc.committed_version).load(), ", pending_version ",
+                      shm::Atomic(lc.pending_version).load(), ")");
+}
+
 std::string Engine::TornMessageLocked() const {
-  std::vector<std::string> layers;
-  for (uint32_t l : torn_layers_) {
-    shm::LayerControl& lc = state_->layer_control(l);
-    layers.push_back(absl::StrCat("layer ", l, " '", state_->layers()[l].name,
-                                  "' (committed_version ", shm::Atomic(lc.committed_version).load(),
-                                  ", pending_version ", shm::Atomic(lc.pending_version).load(),
-                                  ")"));
-  }
-  return absl::StrCat(
-      "the training state is torn: part of each of these layers was updated when its step was "
-      "aborted, so each holds a mix of two versions: ",
-      absl::StrJoin(layers, ", "),
-      ". No further step can run: restore the state from a checkpoint (update_granularity = layer "
-      "never tears, at the cost of the chunk-level overlap)");
+  return seq_.TornMessage([this](uint32_t layer) ABSL_SHARED_LOCKS_REQUIRED(mu_) {
+    return DescribeTornLayerLocked(layer);
+  });
 }
 
 absl::Status Engine::CheckNotTornLocked() const {
-  if (torn_layers_.empty()) return absl::OkStatus();
-  return absl::FailedPreconditionError(TornMessageLocked());
+  return seq_.CheckNotTorn([this](uint32_t layer) ABSL_SHARED_LOCKS_REQUIRED(mu_) {
+    return DescribeTornLayerLocked(layer);
+  });
 }
 
 absl::Status Engine::AwaitSealsLocked() {
   // An aborted step's versions are final only once the worker has sealed it; until then a new
   // step's updates would find layers below the version they expect, and a torn layer would not
   // be known yet. The seal waits at most for the one update in progress.
-  auto sealed = [this]()
-                    ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return seals_pending_ == 0 || !serving_; };
+  auto sealed = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return seq_.seals_pending() == 0 || !serving_;
+  };
   mu_.AwaitWithTimeout(absl::Condition(&sealed), absl::Seconds(60));
   RETURN_IF_ERROR(CheckServing());
-  if (seals_pending_ != 0) {
+  if (seq_.seals_pending() != 0) {
     return absl::UnavailableError(
         "the aborted step's updates have not finished within 60 s; retry BeginStep");
   }
@@ -1396,23 +1353,24 @@ absl::Status Engine::AwaitSealsLocked() {
 absl::Status Engine::AbortStep(const slidedp::v1::AbortStepRequest& r) {
   absl::MutexLock lock(&mu_);
   RETURN_IF_ERROR(CheckJob(r.job_id()));
-  if (queued_step_ != 0 && r.step() == queued_step_) {
+  if (seq_.queued_step() != 0 && r.step() == seq_.queued_step()) {
     // The abort epoch is job-wide: bumped while the running step's gradients still arrive, it
     // would fail that step's pushes too.
-    if (!AllLayersAt(*state_, running_step_, client_updated_)) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "step: ", r.step(), " is queued behind step ", running_step_,
-          ", whose gradients are still arriving; abort step ", running_step_, " (which drops ",
-          r.step(), " with it) or retry once step ", running_step_, "'s updates are published"));
+    if (!AllLayersAt(*state_, seq_.running_step(), client_updated_)) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("step: ", r.step(), " is queued behind step ", seq_.running_step(),
+                       ", whose gradients are still arriving; abort step ", seq_.running_step(),
+                       " (which drops ", r.step(), " with it) or retry once step ",
+                       seq_.running_step(), "'s updates are published"));
     }
     DropQueuedStepLocked(r.reason().empty() ? "aborted by request" : r.reason());
     return absl::OkStatus();
   }
-  if (running_step_ == 0 || r.step() != running_step_) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("step: ", r.step(), " is not running",
-                     running_step_ != 0 ? absl::StrCat(" (running: ", running_step_, ")")
-                                        : std::string(" (no step is running)")));
+  if (seq_.running_step() == 0 || r.step() != seq_.running_step()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "step: ", r.step(), " is not running",
+        seq_.running_step() != 0 ? absl::StrCat(" (running: ", seq_.running_step(), ")")
+                                 : std::string(" (no step is running)")));
   }
   AbortStepLocked(r.step(), r.reason().empty() ? "aborted by request" : r.reason());
   return absl::OkStatus();
@@ -1422,7 +1380,7 @@ void Engine::OnLayerDone(const LayerUpdateResult& r) {
   if (r.aborted) return;
   absl::MutexLock lock(&mu_);
   if (r.layer < last_grad_norm_.size()) last_grad_norm_[r.layer] = r.grad_norm;
-  if (r.step != running_step_) return;
+  if (r.step != seq_.running_step()) return;
   if (r.layer < client_updated_.size() && client_updated_[r.layer]) {
     spdlog::warn(
         "layer {} is updated by the ranks (client_updated_layers) but got a gradient in "
@@ -1433,22 +1391,11 @@ void Engine::OnLayerDone(const LayerUpdateResult& r) {
   step_update_seconds_ += r.seconds;
   step_layers_.push_back(r);
   if (r.applied) param_bytes_published_ += state_->layers()[r.layer].param_bytes;
-  if (++layers_done_in_step_ + client_layers_.size() == state_->num_layers()) {
-    const double seconds =
-        std::chrono::duration<double>(SteadyClock::now() - step_started_).count();
-    last_completed_step_ = running_step_;
-    last_step_seconds_ = seconds;
-    step_seconds_sum_ += seconds;
-    if (step_seconds_buckets_.empty()) {
-      step_seconds_buckets_.assign(std::size(kStepSecondsBounds) + 1, 0);
-    }
-    step_seconds_buckets_[static_cast<size_t>(
-        std::lower_bound(std::begin(kStepSecondsBounds), std::end(kStepSecondsBounds), seconds) -
-        std::begin(kStepSecondsBounds))]++;
+  if (seq_.NoteLayerDone(static_cast<uint32_t>(state_->num_layers() - client_layers_.size()))) {
+    const uint64_t step = seq_.Complete(SteadyClock::now());
     for (uint32_t l : client_layers_) {
-      if (state_->committed_version(l) < running_step_) state_->PublishLayer(l, running_step_);
+      if (state_->committed_version(l) < step) state_->PublishLayer(l, step);
     }
-    steps_completed_++;
     if (!pool_prepare_asked_ && !config_.checkpoint.dir.empty() &&
         config_.checkpoint.prepare_snapshot_pool && config_.checkpoint.keep_snapshot_pool) {
       // The ranks have attached and run a step (their own memory is allocated): the next
@@ -1456,20 +1403,17 @@ void Engine::OnLayerDone(const LayerUpdateResult& r) {
       pool_prepare_asked_ = true;
       checkpointer_->PreparePool();
     }
-    MarkCompletedLocked(running_step_);
+    MarkCompletedLocked(step);
     last_step_update_seconds_ = step_update_seconds_;
     last_step_layers_ = std::move(step_layers_);
     step_layers_.clear();
-    next_step_ = running_step_ + 1;
-    running_step_ = 0;
-    step_state_ = "idle";
     shm::ControlBlock& cb = state_->control();
-    shm::Atomic(cb.next_step).store(next_step_, std::memory_order_release);
+    shm::Atomic(cb.next_step).store(seq_.next_step(), std::memory_order_release);
     shm::Atomic(cb.step_state).store(static_cast<uint64_t>(shm::StepState::kIdle));
     ReconcileClientSyncLocked();
     // A queued step starts the moment its predecessor completes: its ranks are already in it
     // (unless an export holds it: ExportHF starts it when done).
-    if (queued_step_ != 0 && !export_active_) StartStepLocked(std::exchange(queued_step_, 0));
+    if (seq_.queued_step() != 0 && !export_active_) StartStepLocked(seq_.TakeQueued());
   }
 }
 
@@ -1479,20 +1423,17 @@ absl::Status Engine::SubmitGradient(uint32_t layer, uint64_t step, GradientRef g
     absl::MutexLock lock(&mu_);
     RETURN_IF_ERROR(CheckJob(""));
     RETURN_IF_ERROR(CheckNotTornLocked());
-    if (running_step_ == 0 && step == next_step_ && export_active_) {
+    if (seq_.WouldStart(step) && export_active_) {
       return absl::UnavailableError("step: an HF export is in progress; retry once it is done");
     }
-    if (running_step_ == 0 && step == next_step_) {
-      step_started_ = SteadyClock::now();
-      running_step_ = step;
-      step_state_ = "running";
-      layers_done_in_step_ = 0;
+    if (seq_.WouldStart(step)) {
+      seq_.Start(step, SteadyClock::now());
       step_update_seconds_ = 0;
       step_layers_.clear();
     }
-    if (step != running_step_) {
-      return absl::OutOfRangeError(absl::StrCat(
-          "step: expected ", running_step_ ? running_step_ : next_step_, ", got ", step));
+    if (step != seq_.running_step()) {
+      return absl::OutOfRangeError(
+          absl::StrCat("step: expected ", seq_.current_step(), ", got ", step));
     }
   }
   return worker_->Submit(layer, step, grad, [this, done](const LayerUpdateResult& r) {
@@ -1621,13 +1562,13 @@ absl::StatusOr<slidedp::v1::GetStatusResponse> Engine::GetStatus() {
   js->set_model_name(state_->model().manifest.name());
   js->set_family(state_->model().manifest.family());
   js->set_world_size(job_->world_size());
-  js->set_step(steps_completed_);
-  js->set_step_state(step_state_);
+  js->set_step(seq_.steps_completed());
+  js->set_step_state(shm::ToString(seq_.state()));
   js->set_total_params(state_->total_params());
   js->set_manifest_hash(ManifestHashHex(state_->manifest_hash()));
   *js->mutable_routes() = job_->routes();
   *js->mutable_optimizer() = worker_->optimizer();
-  js->set_current_lr(LearningRate(worker_->optimizer(), next_step_));
+  js->set_current_lr(LearningRate(worker_->optimizer(), seq_.next_step()));
   js->set_weights_source(state_->weights_source());
   for (uint32_t l : client_layers_) js->add_client_updated_layers(l);
   if (!resumed_from_.empty()) {
@@ -1672,8 +1613,8 @@ absl::StatusOr<std::string> Engine::StatusLine(absl::Duration max_wait) {
   } else {
     const uint32_t attached = ranks_.NumAttached();
     line = absl::StrCat("job ", job_->job_id(), " (", state_->model().manifest.name(),
-                        "): ", steps_completed_, " steps, ", step_state_, ", ", attached, "/",
-                        job_->world_size(), " ranks attached");
+                        "): ", seq_.steps_completed(), " steps, ", shm::ToString(seq_.state()),
+                        ", ", attached, "/", job_->world_size(), " ranks attached");
   }
   mu_.Unlock();
   return line;
@@ -1714,8 +1655,8 @@ absl::StatusOr<slidedp::v1::GetStatsResponse> Engine::GetStats(
   RETURN_IF_ERROR(CheckJob(r.job_id()));
   const UpdateStats ws = worker_->stats();
   slidedp::v1::GetStatsResponse resp;
-  resp.set_steps_completed(steps_completed_);
-  resp.set_steps_aborted(steps_aborted_);
+  resp.set_steps_completed(seq_.steps_completed());
+  resp.set_steps_aborted(seq_.steps_aborted());
   resp.set_layer_updates(ws.layer_updates);
   resp.set_layer_updates_skipped(ws.layer_updates_skipped);
   resp.set_update_seconds_total(ws.update_seconds_total);
@@ -1748,13 +1689,11 @@ absl::StatusOr<slidedp::v1::GetStatsResponse> Engine::GetStats(
   }
   resp.set_last_step_span_seconds(last - first);
   resp.set_last_step_idle_seconds(idle);
-  resp.set_last_step(last_completed_step_);
-  resp.set_last_step_seconds(last_step_seconds_);
-  resp.set_step_seconds_sum(step_seconds_sum_);
-  for (double b : kStepSecondsBounds) resp.add_step_seconds_bounds(b);
-  for (size_t i = 0; i <= std::size(kStepSecondsBounds); ++i) {
-    resp.add_step_seconds_buckets(i < step_seconds_buckets_.size() ? step_seconds_buckets_[i] : 0);
-  }
+  resp.set_last_step(seq_.last_completed_step());
+  resp.set_last_step_seconds(seq_.last_step_seconds());
+  resp.set_step_seconds_sum(seq_.step_seconds_sum());
+  for (double b : StepSequencer::kStepSecondsBounds) resp.add_step_seconds_bounds(b);
+  for (uint64_t n : seq_.step_seconds_buckets()) resp.add_step_seconds_buckets(n);
   resp.set_grad_bytes_received(reducer_->stats().bytes_reduced);
   resp.set_param_bytes_published(param_bytes_published_);
   // The checkpointer's last commit (step 0 and age -1 before the first).
@@ -1763,7 +1702,7 @@ absl::StatusOr<slidedp::v1::GetStatsResponse> Engine::GetStats(
   resp.set_checkpoint_age_seconds(
       committed_ms > 0 ? static_cast<double>(UnixMs() - committed_ms) / 1000.0 : -1.0);
   resp.set_exports_completed(exports_completed_);
-  resp.set_step_running(running_step_);
+  resp.set_step_running(seq_.running_step());
   const CheckpointStats cs = checkpointer_->stats();
   resp.set_checkpoint_stall_seconds(cs.stall_seconds);
   resp.set_checkpoint_snapshot_seconds(cs.snapshot_seconds);
@@ -1846,9 +1785,10 @@ void Engine::SessionClosed(uint32_t rank, const std::string& token, absl::string
   // token) closing late must not end the attachment that replaced it.
   if (!ranks_.IsAttachment(rank, token)) return;
   spdlog::warn("rank {} session closed: {}", rank, std::string(reason));
-  if (running_step_ != 0 && serving_ && !AllLayersAt(*state_, running_step_, client_updated_)) {
-    AbortStepLocked(running_step_, absl::StrCat("rank ", rank, " lost: ", reason));
-  } else if (queued_step_ != 0 && serving_) {
+  if (seq_.running_step() != 0 && serving_ &&
+      !AllLayersAt(*state_, seq_.running_step(), client_updated_)) {
+    AbortStepLocked(seq_.running_step(), absl::StrCat("rank ", rank, " lost: ", reason));
+  } else if (seq_.queued_step() != 0 && serving_) {
     DropQueuedStepLocked(absl::StrCat("rank ", rank, " lost: ", reason));
   }
   ReleaseRankLocked(rank);
@@ -1904,12 +1844,12 @@ absl::StatusOr<slidedp::v1::ExportHFResponse> Engine::ExportHF(
     RETURN_IF_ERROR(ExportConfigJson(o.config_json, state_->model().manifest, o.dtype).status());
     export_active_ = true;
     auto boundary = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-      return (running_step_ == 0 && seals_pending_ == 0) || !serving_;
+      return (seq_.running_step() == 0 && seq_.seals_pending() == 0) || !serving_;
     };
     absl::Status ready = absl::OkStatus();
     if (!mu_.AwaitWithTimeout(absl::Condition(&boundary), absl::Minutes(10))) {
       ready = absl::DeadlineExceededError(
-          absl::StrCat("step ", running_step_,
+          absl::StrCat("step ", seq_.running_step(),
                        " did not complete within 10 minutes; the export waits for a "
                        "step boundary"));
     }
@@ -1925,12 +1865,12 @@ absl::StatusOr<slidedp::v1::ExportHFResponse> Engine::ExportHF(
           " are updated by the ranks (client_updated_layers) and hostd's copy of them is ",
           client_copy_version_ ? absl::StrCat("at version ", *client_copy_version_)
                                : std::string("of an unknown version"),
-          ", not ", next_step_ - 1,
+          ", not ", seq_.next_step() - 1,
           ", so an export would mix versions; it is current after rank 0 uploads it (python_client "
           "does when it closes) and in a job resumed from a checkpoint (hostd --resume DIR); or "
           "export from the training job (save_pretrained)"));
     }
-    version = next_step_ - 1;
+    version = seq_.next_step() - 1;
     if (ready.ok()) {
       for (uint32_t l = 0; l < state_->num_layers(); ++l) {
         if (state_->committed_version(l) != version) {
@@ -1953,8 +1893,8 @@ absl::StatusOr<slidedp::v1::ExportHFResponse> Engine::ExportHF(
     absl::MutexLock lock(&mu_);
     export_active_ = false;
     if (done.ok()) exports_completed_++;
-    if (serving_ && running_step_ == 0 && queued_step_ != 0) {
-      StartStepLocked(std::exchange(queued_step_, 0));
+    if (serving_ && seq_.running_step() == 0 && seq_.queued_step() != 0) {
+      StartStepLocked(seq_.TakeQueued());
     }
   }
   if (!done.ok()) {
@@ -1986,8 +1926,9 @@ void Engine::MonitorLoop() {
     shm::Atomic(state_->control().hostd_alive_ns).store(MonotonicNs(), std::memory_order_release);
     for (uint32_t r : ranks_.MissedDeadline(SteadyClock::now(), deadline)) {
       spdlog::warn("rank {} missed its heartbeat deadline ({} ms)", r, deadline.count());
-      if (running_step_ != 0 && serving_) {
-        AbortStepLocked(running_step_, absl::StrCat("rank ", r, " missed its heartbeat deadline"));
+      if (seq_.running_step() != 0 && serving_) {
+        AbortStepLocked(seq_.running_step(),
+                        absl::StrCat("rank ", r, " missed its heartbeat deadline"));
       }
       // The rank stays attached but disconnected; its stream handler ends on the next event.
       ranks_.Disconnect(r);

@@ -51,7 +51,8 @@ const std::string& RankTable::Attach(uint32_t rank, int32_t pid, std::string hos
   RankEntry& e = ranks_[rank];
   e = RankEntry{};
   e.attached = true;
-  // The random part keeps a token unguessable across hostd restarts; the counter keeps it unique.
+  // The random part keeps a token unguessable, and one of an earlier hostd (whose counter also
+  // began at 1) from matching; the counter keeps this table's tokens unique.
   e.token = absl::StrCat(RandomHex(16), "-", ++token_counter_);
   if (rank == 0) comm_ids_.clear();
   e.pid = pid;
