@@ -9,7 +9,6 @@
 #include <algorithm>
 #include <filesystem>
 #include <fstream>
-#include <iterator>
 #include <random>
 #include <utility>
 
@@ -46,10 +45,6 @@ constexpr uint32_t kGradPushingRank = 0;
 // sees the step done (WaitStep) at this point, so its detach or exit must not abort the step.
 // Layers the ranks update themselves (`client_updated`) are published only when the step
 // completes, so they are not waited for.
-// Upper bounds (seconds) of the step-time histogram: tiny CPU jobs to multi-minute steps.
-constexpr double kStepSecondsBounds[] = {0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1,
-                                         2.5,  5,     10,   25,  60,   120, 300};
-
 bool AllLayersAt(const TrainingState& state, uint64_t step,
                  const std::vector<bool>& client_updated) {
   for (uint32_t l = 0; l < state.num_layers(); ++l) {
@@ -68,18 +63,6 @@ uint64_t MonotonicNs() {
   timespec ts;
   clock_gettime(CLOCK_MONOTONIC, &ts);
   return static_cast<uint64_t>(ts.tv_sec) * 1000000000ull + static_cast<uint64_t>(ts.tv_nsec);
-}
-
-std::string RandomHex(int bytes) {
-  std::random_device rd;
-  std::string out;
-  static const char* kHex = "0123456789abcdef";
-  for (int i = 0; i < bytes; ++i) {
-    const unsigned b = rd() & 0xff;
-    out.push_back(kHex[b >> 4]);
-    out.push_back(kHex[b & 15]);
-  }
-  return out;
 }
 
 absl::StatusOr<kernels::Isa> ChooseIsa(const std::string& name) {
@@ -117,8 +100,6 @@ int64_t UnixMs() {
 
 // The longest a BeginStep waits for an HF export that holds the steps.
 constexpr absl::Duration kExportHoldMax = absl::Minutes(30);
-// How many aborted or dropped steps BeginStep can name (a rank is at most a step or two behind).
-constexpr size_t kRecentAborts = 16;
 
 // How long an RPC with wait blocks for a checkpoint to commit.
 constexpr int64_t kCheckpointWaitMs = int64_t{6} * 3600 * 1000;
@@ -239,10 +220,10 @@ absl::Status Engine::Shutdown(bool remove_state) {
     absl::MutexLock lock(&mu_);
     if (serving_) {
       serving_ = false;
-      if (running_step_ != 0) AbortStepLocked(running_step_, "hostd is shutting down");
+      if (seq_.running_step() != 0) AbortStepLocked(seq_.running_step(), "hostd is shutting down");
       slidedp::v1::SessionEvent ev;
       ev.mutable_shutting_down()->set_reason("hostd is shutting down");
-      BroadcastLocked(ev);
+      ranks_.Broadcast(ev);
       if (state_) {
         shm::Atomic(state_->control().shutting_down).store(1, std::memory_order_release);
         shm::Atomic(state_->control().wake_seq).fetch_add(1);
@@ -389,7 +370,8 @@ absl::Status Engine::CheckCheckpointableLocked(uint64_t version) const {
 
 bool Engine::ClientCopyCurrentLocked() const {
   if (client_layers_.empty()) return true;
-  return running_step_ == 0 && client_copy_version_ && *client_copy_version_ + 1 == next_step_;
+  return seq_.running_step() == 0 && client_copy_version_ &&
+         *client_copy_version_ + 1 == seq_.next_step();
 }
 
 void Engine::RequestClientSyncLocked(uint64_t step) {
@@ -441,7 +423,7 @@ absl::StatusOr<slidedp::v1::UploadClientLayerResponse> Engine::UploadClientLayer
     const slidedp::v1::UploadClientLayerRequest& r) {
   absl::MutexLock lock(&mu_);
   RETURN_IF_ERROR(CheckJob(r.job_id()));
-  RETURN_IF_ERROR(CheckRankTokenLocked(r.rank(), r.attach_token()));
+  RETURN_IF_ERROR(ranks_.CheckToken(r.rank(), r.attach_token()));
   if (r.rank() != 0) {
     return absl::FailedPreconditionError(absl::StrCat(
         "rank: only rank 0 uploads the client-updated layers (every rank holds the same state); "
@@ -473,11 +455,12 @@ absl::StatusOr<slidedp::v1::UploadClientLayerResponse> Engine::UploadClientLayer
       }
       break;
     }
-    if (running_step_ != 0 || r.step() + 1 != next_step_ || export_active_) {
+    if (seq_.running_step() != 0 || r.step() + 1 != seq_.next_step() || export_active_) {
       return absl::FailedPreconditionError(absl::StrCat(
           "step: hostd accepts an unasked upload only between steps, of the last completed step (",
-          next_step_ - 1, "), with no export running; got version ", r.step(),
-          running_step_ != 0 ? absl::StrCat(" while step ", running_step_, " runs") : ""));
+          seq_.next_step() - 1, "), with no export running; got version ", r.step(),
+          seq_.running_step() != 0 ? absl::StrCat(" while step ", seq_.running_step(), " runs")
+                                   : ""));
     }
     if (client_copy_version_ == r.step() && client_upload_step_ != r.step()) {
       return absl::AlreadyExistsError(absl::StrCat(
@@ -562,7 +545,7 @@ absl::StatusOr<slidedp::v1::ReadClientLayerResponse> Engine::ReadClientLayer(
     const slidedp::v1::ReadClientLayerRequest& r) {
   absl::MutexLock lock(&mu_);
   RETURN_IF_ERROR(CheckJob(r.job_id()));
-  RETURN_IF_ERROR(CheckRankTokenLocked(r.rank(), r.attach_token()));
+  RETURN_IF_ERROR(ranks_.CheckToken(r.rank(), r.attach_token()));
   RETURN_IF_ERROR(CheckClientLayerPartLocked(r.layer(), r.part()));
   const uint64_t numel = state_->layers()[r.layer()].numel;
   if (r.count() == 0 || r.count() > kClientLayerChunkElements) {
@@ -579,8 +562,8 @@ absl::StatusOr<slidedp::v1::ReadClientLayerResponse> Engine::ReadClientLayer(
         "hostd's copy of layer ", r.layer(), " is ",
         client_copy_version_ ? absl::StrCat("at version ", *client_copy_version_)
                              : std::string("of an unknown version"),
-        " but the job is at step ", next_step_ - 1,
-        running_step_ != 0 ? absl::StrCat(" (step ", running_step_, " running)") : "",
+        " but the job is at step ", seq_.next_step() - 1,
+        seq_.running_step() != 0 ? absl::StrCat(" (step ", seq_.running_step(), " running)") : "",
         ": the ranks' state of it is newer; restart hostd from a checkpoint (--resume) to "
         "continue"));
   }
@@ -588,7 +571,7 @@ absl::StatusOr<slidedp::v1::ReadClientLayerResponse> Engine::ReadClientLayer(
                      : r.part() == 1 ? state_->exp_avg(r.layer())
                                      : state_->exp_avg_sq(r.layer());
   slidedp::v1::ReadClientLayerResponse resp;
-  resp.set_version(next_step_ - 1);
+  resp.set_version(seq_.next_step() - 1);
   resp.set_data(reinterpret_cast<const char*>(src + r.offset()), r.count() * sizeof(float));
   return resp;
 }
@@ -618,7 +601,9 @@ absl::StatusOr<slidedp::v1::CheckpointResponse> Engine::Checkpoint(
     // later: a checkpoint of the step before a begun one must capture every layer before that
     // step's updates, and those waited (the H200 stall run: the first step of a checkpoint
     // took twice as long).
-    step = queued_step_ != 0 ? queued_step_ : running_step_ != 0 ? running_step_ : next_step_ - 1;
+    step = seq_.queued_step() != 0    ? seq_.queued_step()
+           : seq_.running_step() != 0 ? seq_.running_step()
+                                      : seq_.next_step() - 1;
     RETURN_IF_ERROR(StartCheckpointLocked(dir, step));
     spdlog::info("checkpoint of step {} requested into {}", step, dir);
     path = (std::filesystem::path(dir) /
@@ -654,23 +639,6 @@ absl::Status Engine::CheckJob(absl::string_view job_id) const {
   if (!job_id.empty() && job_id != job_->job_id()) {
     return absl::NotFoundError(absl::StrCat("job_id: unknown job '", model::ShownText(job_id),
                                             "'; this hostd has '", job_->job_id(), "'"));
-  }
-  return absl::OkStatus();
-}
-
-absl::Status Engine::CheckRankTokenLocked(uint32_t rank, const std::string& token) const {
-  if (rank >= ranks_.size()) {
-    return absl::OutOfRangeError(absl::StrCat("rank: expected 0..", ranks_.size() - 1,
-                                              " (world_size ", ranks_.size(), "), got ", rank));
-  }
-  if (!ranks_[rank].attached) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("rank ", rank, " is not attached; call AttachRank first"));
-  }
-  if (token != ranks_[rank].token) {
-    return absl::PermissionDeniedError(
-        absl::StrCat("attach_token: does not match the token issued to rank ", rank,
-                     token.empty() ? " (none sent: a client older than protocol 2?)" : ""));
   }
   return absl::OkStatus();
 }
@@ -892,8 +860,7 @@ absl::Status Engine::CreateJobUnlocked(slidedp::v1::JobSpec spec, model::LoadedM
   // Installed even when hostd began stopping meanwhile: Shutdown then treats it like any job
   // (a re-adopted one's final checkpoint, a fresh one's segments removed).
   state_ = std::move(state);
-  next_step_ = next_step;
-  steps_completed_ = steps_completed;
+  seq_.Reset(next_step, steps_completed);
   start_step_ = start_step;
   resumed_from_ = resumed_from;
   client_copy_version_ = client_copy_version;
@@ -971,10 +938,12 @@ absl::Status Engine::CreateJobUnlocked(slidedp::v1::JobSpec spec, model::LoadedM
       [this](const LayerUpdateResult& r) { OnLayerDone(r); },
       [this](uint64_t step, const std::string& reason) {
         absl::MutexLock lock(&mu_);
-        if (running_step_ == step) AbortStepLocked(step, "gradient protocol error: " + reason);
+        if (seq_.running_step() == step) {
+          AbortStepLocked(step, "gradient protocol error: " + reason);
+        }
       });
   reducer_->Start();
-  ranks_.assign(spec.world_size(), RankEntry{});
+  ranks_.Reset(spec.world_size());
   last_grad_norm_.assign(state_->num_layers(), 0.0);
   job_ = std::move(spec);
   return absl::OkStatus();
@@ -1073,11 +1042,7 @@ absl::StatusOr<slidedp::v1::AttachRankResponse> Engine::AttachRank(
                      r.manifest_hash().empty() ? "(empty)" : model::ShownText(r.manifest_hash()),
                      " but the job's is ", have, "; the rank must build the same model as hostd"));
   }
-  RankEntry& e = ranks_[r.rank()];
-  if (e.attached) {
-    return absl::AlreadyExistsError(
-        absl::StrCat("rank ", r.rank(), " is already attached (pid ", e.pid, "); detach it first"));
-  }
+  RETURN_IF_ERROR(ranks_.CheckAttachable(r.rank()));
   std::vector<uint32_t> client_layers(r.client_updated_layers().begin(),
                                       r.client_updated_layers().end());
   std::sort(client_layers.begin(), client_layers.end());
@@ -1100,8 +1065,7 @@ absl::StatusOr<slidedp::v1::AttachRankResponse> Engine::AttachRank(
         " themselves and hostd never sees their gradients; use clip = per_layer or none, or "
         "let hostd update every layer (python_client: nondecoder=\"host\", resident_layers=0)"));
   }
-  const bool any_attached =
-      std::any_of(ranks_.begin(), ranks_.end(), [](const RankEntry& x) { return x.attached; });
+  const bool any_attached = ranks_.AnyAttached();
   if (any_attached && client_layers != client_layers_) {
     return absl::FailedPreconditionError(
         absl::StrCat("client_updated_layers: rank ", r.rank(), " sent ", LayerList(client_layers),
@@ -1109,9 +1073,9 @@ absl::StatusOr<slidedp::v1::AttachRankResponse> Engine::AttachRank(
                      " themselves; every rank of the job must send the same set"));
   }
   if (!any_attached && client_layers != client_layers_) {
-    if (running_step_ != 0) {
+    if (seq_.running_step() != 0) {
       return absl::FailedPreconditionError(
-          absl::StrCat("client_updated_layers: step ", running_step_,
+          absl::StrCat("client_updated_layers: step ", seq_.running_step(),
                        " is running; the set can change only between steps"));
     }
     if (!ClientCopyCurrentLocked()) {
@@ -1120,21 +1084,21 @@ absl::StatusOr<slidedp::v1::AttachRankResponse> Engine::AttachRank(
           " themselves in earlier steps and hostd's copy of them is ",
           client_copy_version_ ? absl::StrCat("at version ", *client_copy_version_)
                                : std::string("of an unknown version"),
-          ", not the job's step ", next_step_ - 1,
+          ", not the job's step ", seq_.next_step() - 1,
           "; attach with the same set (and the ranks' state of those layers), restart hostd "
           "from a checkpoint (--resume), or start a new job"));
     }
     client_layers_ = client_layers;
     // hostd updated the newly listed layers up to now (or its copy of them was current): its
     // copy is the job's state at the last completed step, unless unknown (a re-adopted job).
-    if (client_copy_version_) client_copy_version_ = next_step_ - 1;
+    if (client_copy_version_) client_copy_version_ = seq_.next_step() - 1;
     client_updated_.assign(state_->num_layers(), false);
     for (uint32_t l : client_layers_) client_updated_[l] = true;
     if (!client_layers_.empty()) {
       spdlog::info("the ranks update layers {} themselves; hostd's copy of them is not updated",
                    LayerList(client_layers_));
     }
-    if (steps_completed_ == 0 && next_step_ == 1) {
+    if (seq_.steps_completed() == 0 && seq_.next_step() == 1) {
       // A fresh job: the moments of layers hostd will not update are zeros and stay so; their
       // memory goes back to the system (the ranks hold those layers' moments).
       size_t released = 0;
@@ -1152,22 +1116,16 @@ absl::StatusOr<slidedp::v1::AttachRankResponse> Engine::AttachRank(
       }
     }
   }
-  e = RankEntry{};
-  e.attached = true;
-  e.token = absl::StrCat(RandomHex(16), "-", ++token_counter_);
-  if (r.rank() == 0) comm_ids_.clear();
-  e.pid = r.pid();
-  e.hostname = r.hostname();
-  e.gpu = r.gpu();
-  e.last_heartbeat = SteadyClock::now();
+  const std::string& token =
+      ranks_.Attach(r.rank(), r.pid(), r.hostname(), r.gpu(), SteadyClock::now());
   shm::RankSlot& slot = state_->rank_slot(r.rank());
   shm::Atomic(slot.pid).store(static_cast<uint64_t>(r.pid()));
   shm::Atomic(slot.heartbeat_ns).store(MonotonicNs());
   shm::Atomic(slot.attached).store(1, std::memory_order_release);
 
   slidedp::v1::AttachRankResponse resp;
-  resp.set_attach_token(e.token);
-  resp.set_next_step(next_step_);
+  resp.set_attach_token(token);
+  resp.set_next_step(seq_.next_step());
   resp.set_client_layers_current(!client_layers_.empty() && ClientCopyCurrentLocked());
   slidedp::v1::Layout* layout = resp.mutable_layout();
   layout->set_chunk_bytes(job_->routes().chunk_bytes());
@@ -1213,10 +1171,10 @@ absl::StatusOr<slidedp::v1::AttachRankResponse> Engine::AttachRank(
 absl::Status Engine::DetachRank(const slidedp::v1::DetachRankRequest& r) {
   absl::MutexLock lock(&mu_);
   RETURN_IF_ERROR(CheckJob(r.job_id()));
-  RETURN_IF_ERROR(CheckRankTokenLocked(r.rank(), r.attach_token()));
-  if (running_step_ != 0 && !AllLayersAt(*state_, running_step_, client_updated_)) {
-    AbortStepLocked(running_step_, absl::StrCat("rank ", r.rank(), " detached"));
-  } else if (queued_step_ != 0) {
+  RETURN_IF_ERROR(ranks_.CheckToken(r.rank(), r.attach_token()));
+  if (seq_.running_step() != 0 && !AllLayersAt(*state_, seq_.running_step(), client_updated_)) {
+    AbortStepLocked(seq_.running_step(), absl::StrCat("rank ", r.rank(), " detached"));
+  } else if (seq_.queued_step() != 0) {
     DropQueuedStepLocked(absl::StrCat("rank ", r.rank(), " detached"));
   }
   ReleaseRankLocked(r.rank());
@@ -1224,17 +1182,8 @@ absl::Status Engine::DetachRank(const slidedp::v1::DetachRankRequest& r) {
 }
 
 void Engine::ReleaseRankLocked(uint32_t rank) {
-  ranks_[rank] = RankEntry{};
+  ranks_.Release(rank);
   shm::Atomic(state_->rank_slot(rank).attached).store(0, std::memory_order_release);
-  // The communicator ids rank 0 published die with its attachment: a rank of the next
-  // attachment must not fetch them (its communicator would wait for a rank 0 long gone).
-  if (rank == 0) comm_ids_.clear();
-}
-
-void Engine::BroadcastLocked(const slidedp::v1::SessionEvent& ev) {
-  for (RankEntry& e : ranks_) {
-    if (e.connected) e.events.push_back(ev);
-  }
 }
 
 absl::StatusOr<slidedp::v1::BeginStepResponse> Engine::BeginStep(
@@ -1245,22 +1194,12 @@ absl::StatusOr<slidedp::v1::BeginStepResponse> Engine::BeginStep(
   deadline = std::min(deadline, absl::Now() + kExportHoldMax);
   for (;;) {
     RETURN_IF_ERROR(CheckJob(r.job_id()));
-    RETURN_IF_ERROR(CheckRankTokenLocked(r.rank(), r.attach_token()));
+    RETURN_IF_ERROR(ranks_.CheckToken(r.rank(), r.attach_token()));
     RETURN_IF_ERROR(AwaitSealsLocked());
     RETURN_IF_ERROR(CheckNotTornLocked());
-    // A step aborted before this rank began it (another rank's failure sealed it while this one
-    // was still finishing the previous step): the rank is told what happened, as a rank inside
-    // the step is, rather than that it asked for the wrong step.
-    if (r.step() < (running_step_ != 0 ? running_step_ : next_step_) &&
-        ranks_[r.rank()].last_step < r.step()) {
-      for (const auto& [step, reason] : recent_aborts_) {
-        if (step != r.step()) continue;
-        return absl::AbortedError(absl::StrCat(
-            "step ", step, " was aborted before rank ", r.rank(), " began it (", reason,
-            "); begin step ", running_step_ != 0 ? running_step_ : next_step_, " next"));
-      }
-    }
-    if (running_step_ == 0 && r.step() == next_step_ && export_active_) {
+    RETURN_IF_ERROR(
+        seq_.CheckNotAbortedBeforeBegun(r.rank(), ranks_.rank(r.rank()).last_step, r.step()));
+    if (seq_.WouldStart(r.step()) && export_active_) {
       auto done = [this]()
                       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return !export_active_ || !serving_; };
       if (!mu_.AwaitWithDeadline(absl::Condition(&done), deadline)) {
@@ -1271,25 +1210,14 @@ absl::StatusOr<slidedp::v1::BeginStepResponse> Engine::BeginStep(
     }
     break;
   }
-  // While step t's updates run, t + 1 is accepted at once and queued; it starts the moment t
-  // completes (OnLayerDone). The ranks' forward of t + 1 waits per layer on the version gates.
-  const bool queue = running_step_ != 0 && r.step() == running_step_ + 1;
-  const uint64_t expected = running_step_ != 0 ? running_step_ : next_step_;
-  if (r.step() != expected && !queue) {
-    return absl::OutOfRangeError(
-        running_step_ != 0
-            ? absl::StrCat("step: expected ", running_step_, " (running) or ", running_step_ + 1,
-                           " (queued behind it), got ", r.step())
-            : absl::StrCat("step: expected ", next_step_, " (next), got ", r.step()));
-  }
-  ranks_[r.rank()].last_step = r.step();
+  // A queued step starts the moment its predecessor completes (OnLayerDone).
+  const uint64_t queued_before = seq_.queued_step();
+  ASSIGN_OR_RETURN(const StepSequencer::BeginAction action, seq_.Begin(r.step()));
+  ranks_.NoteBegun(r.rank(), r.step());
   shm::Atomic(state_->rank_slot(r.rank()).step).store(r.step());
-  if (queue) {
-    if (queued_step_ == 0) {
-      queued_step_ = r.step();
-      spdlog::debug("step {} queued behind step {}", r.step(), running_step_);
-    }
-  } else if (running_step_ == 0) {
+  if (action == StepSequencer::BeginAction::kQueue && queued_before == 0) {
+    spdlog::debug("step {} queued behind step {}", r.step(), seq_.running_step());
+  } else if (action == StepSequencer::BeginAction::kStart) {
     StartStepLocked(r.step());
   }
   slidedp::v1::BeginStepResponse resp;
@@ -1298,10 +1226,7 @@ absl::StatusOr<slidedp::v1::BeginStepResponse> Engine::BeginStep(
 }
 
 void Engine::StartStepLocked(uint64_t step) {
-  step_started_ = SteadyClock::now();
-  running_step_ = step;
-  step_state_ = "running";
-  layers_done_in_step_ = 0;
+  seq_.Start(step, SteadyClock::now());
   step_update_seconds_ = 0;
   step_layers_.clear();
   reducer_->Arm(step);
@@ -1321,7 +1246,7 @@ void Engine::StartStepLocked(uint64_t step) {
   }
   slidedp::v1::SessionEvent ev;
   ev.mutable_step_begun()->set_step(step);
-  BroadcastLocked(ev);
+  ranks_.Broadcast(ev);
 }
 
 void Engine::BumpAbortEpochLocked() {
@@ -1337,25 +1262,23 @@ void Engine::BumpAbortEpochLocked() {
 }
 
 void Engine::DropQueuedStepLocked(absl::string_view reason, bool bump_epoch) {
-  const uint64_t step = queued_step_;
+  const uint64_t step = seq_.DropQueued(model::ShownText(reason, 256));
   if (step == 0) return;
   spdlog::warn("dropping queued step {}: {}", step, std::string(reason));
-  NoteAbortLocked(step, reason);
-  queued_step_ = 0;
   // The step's ranks may be anywhere in it; only the abort epoch reaches all of them. Nothing of
   // the running step is disturbed: its pushers are done (the callers make sure of that).
   if (bump_epoch) {
     // Every layer of the running step is published (the callers checked), though OnLayerDone may
     // not have counted the last one yet: mark it completed before the epoch moves, or a rank's
     // WaitStep of it would take this drop for an abort of it.
-    MarkCompletedLocked(running_step_);
+    MarkCompletedLocked(seq_.running_step());
     BumpAbortEpochLocked();
   }
   reducer_->DiscardStep(step);
   slidedp::v1::SessionEvent ev;
   ev.mutable_step_aborted()->set_step(step);
   ev.mutable_step_aborted()->set_reason(std::string(reason));
-  BroadcastLocked(ev);
+  ranks_.Broadcast(ev);
 }
 
 void Engine::MarkCompletedLocked(uint64_t step) {
@@ -1365,18 +1288,9 @@ void Engine::MarkCompletedLocked(uint64_t step) {
   }
 }
 
-void Engine::NoteAbortLocked(uint64_t step, absl::string_view reason) {
-  recent_aborts_.emplace_back(step, model::ShownText(reason, 256));
-  if (recent_aborts_.size() > kRecentAborts) recent_aborts_.pop_front();
-}
-
 void Engine::AbortStepLocked(uint64_t step, absl::string_view reason) {
   spdlog::warn("aborting step {}: {}", step, std::string(reason));
-  NoteAbortLocked(step, reason);
-  steps_aborted_++;
-  running_step_ = 0;
-  next_step_ = step + 1;
-  step_state_ = "aborted";
+  seq_.Abort(step, model::ShownText(reason, 256));
   shm::ControlBlock& cb = state_->control();
   shm::Atomic(cb.step_state).store(static_cast<uint64_t>(shm::StepState::kAborting));
   BumpAbortEpochLocked();
@@ -1384,16 +1298,12 @@ void Engine::AbortStepLocked(uint64_t step, absl::string_view reason) {
   // The queued step goes with it (the same epoch bump tells its ranks); it is the next step.
   DropQueuedStepLocked(absl::StrCat("queued behind step ", step, ", which was aborted: ", reason),
                        /*bump_epoch=*/false);
-  seals_pending_++;
   worker_->AbortStep(step, [this, step] {
     // On the worker thread, after every update of the step has finished or been dropped: the
     // versions are final, so this is where a torn layer becomes known.
     const std::vector<uint32_t> torn = worker_->TornLayers();
     absl::MutexLock lock(&mu_);
-    seals_pending_--;
-    if (torn.size() > torn_layers_.size()) {
-      torn_layers_ = torn;
-      step_state_ = "torn";
+    if (seq_.Sealed(torn)) {
       spdlog::error("step {} was aborted in the middle of a chunk-granular update: {}", step,
                     TornMessageLocked());
       checkpointer_->Cancel("the state is torn");
@@ -1405,40 +1315,38 @@ void Engine::AbortStepLocked(uint64_t step, absl::string_view reason) {
   slidedp::v1::SessionEvent ev;
   ev.mutable_step_aborted()->set_step(step);
   ev.mutable_step_aborted()->set_reason(std::string(reason));
-  BroadcastLocked(ev);
+  ranks_.Broadcast(ev);
+}
+
+std::string Engine::DescribeTornLayerLocked(uint32_t layer) const {
+  shm::LayerControl& lc = state_->layer_control(layer);
+  return absl::StrCat("layer ", layer, " '", state_->layers()[layer].name, "' (committed_version ",
+                      shm::Atomic(lc.committed_version).load(), ", pending_version ",
+                      shm::Atomic(lc.pending_version).load(), ")");
 }
 
 std::string Engine::TornMessageLocked() const {
-  std::vector<std::string> layers;
-  for (uint32_t l : torn_layers_) {
-    shm::LayerControl& lc = state_->layer_control(l);
-    layers.push_back(absl::StrCat("layer ", l, " '", state_->layers()[l].name,
-                                  "' (committed_version ", shm::Atomic(lc.committed_version).load(),
-                                  ", pending_version ", shm::Atomic(lc.pending_version).load(),
-                                  ")"));
-  }
-  return absl::StrCat(
-      "the training state is torn: part of each of these layers was updated when its step was "
-      "aborted, so each holds a mix of two versions: ",
-      absl::StrJoin(layers, ", "),
-      ". No further step can run: restore the state from a checkpoint (update_granularity = layer "
-      "never tears, at the cost of the chunk-level overlap)");
+  return seq_.TornMessage([this](uint32_t layer) ABSL_SHARED_LOCKS_REQUIRED(mu_) {
+    return DescribeTornLayerLocked(layer);
+  });
 }
 
 absl::Status Engine::CheckNotTornLocked() const {
-  if (torn_layers_.empty()) return absl::OkStatus();
-  return absl::FailedPreconditionError(TornMessageLocked());
+  return seq_.CheckNotTorn([this](uint32_t layer) ABSL_SHARED_LOCKS_REQUIRED(mu_) {
+    return DescribeTornLayerLocked(layer);
+  });
 }
 
 absl::Status Engine::AwaitSealsLocked() {
   // An aborted step's versions are final only once the worker has sealed it; until then a new
   // step's updates would find layers below the version they expect, and a torn layer would not
   // be known yet. The seal waits at most for the one update in progress.
-  auto sealed = [this]()
-                    ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return seals_pending_ == 0 || !serving_; };
+  auto sealed = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return seq_.seals_pending() == 0 || !serving_;
+  };
   mu_.AwaitWithTimeout(absl::Condition(&sealed), absl::Seconds(60));
   RETURN_IF_ERROR(CheckServing());
-  if (seals_pending_ != 0) {
+  if (seq_.seals_pending() != 0) {
     return absl::UnavailableError(
         "the aborted step's updates have not finished within 60 s; retry BeginStep");
   }
@@ -1448,23 +1356,24 @@ absl::Status Engine::AwaitSealsLocked() {
 absl::Status Engine::AbortStep(const slidedp::v1::AbortStepRequest& r) {
   absl::MutexLock lock(&mu_);
   RETURN_IF_ERROR(CheckJob(r.job_id()));
-  if (queued_step_ != 0 && r.step() == queued_step_) {
+  if (seq_.queued_step() != 0 && r.step() == seq_.queued_step()) {
     // The abort epoch is job-wide: bumped while the running step's gradients still arrive, it
     // would fail that step's pushes too.
-    if (!AllLayersAt(*state_, running_step_, client_updated_)) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "step: ", r.step(), " is queued behind step ", running_step_,
-          ", whose gradients are still arriving; abort step ", running_step_, " (which drops ",
-          r.step(), " with it) or retry once step ", running_step_, "'s updates are published"));
+    if (!AllLayersAt(*state_, seq_.running_step(), client_updated_)) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("step: ", r.step(), " is queued behind step ", seq_.running_step(),
+                       ", whose gradients are still arriving; abort step ", seq_.running_step(),
+                       " (which drops ", r.step(), " with it) or retry once step ",
+                       seq_.running_step(), "'s updates are published"));
     }
     DropQueuedStepLocked(r.reason().empty() ? "aborted by request" : r.reason());
     return absl::OkStatus();
   }
-  if (running_step_ == 0 || r.step() != running_step_) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("step: ", r.step(), " is not running",
-                     running_step_ != 0 ? absl::StrCat(" (running: ", running_step_, ")")
-                                        : std::string(" (no step is running)")));
+  if (seq_.running_step() == 0 || r.step() != seq_.running_step()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "step: ", r.step(), " is not running",
+        seq_.running_step() != 0 ? absl::StrCat(" (running: ", seq_.running_step(), ")")
+                                 : std::string(" (no step is running)")));
   }
   AbortStepLocked(r.step(), r.reason().empty() ? "aborted by request" : r.reason());
   return absl::OkStatus();
@@ -1474,7 +1383,7 @@ void Engine::OnLayerDone(const LayerUpdateResult& r) {
   if (r.aborted) return;
   absl::MutexLock lock(&mu_);
   if (r.layer < last_grad_norm_.size()) last_grad_norm_[r.layer] = r.grad_norm;
-  if (r.step != running_step_) return;
+  if (r.step != seq_.running_step()) return;
   if (r.layer < client_updated_.size() && client_updated_[r.layer]) {
     spdlog::warn(
         "layer {} is updated by the ranks (client_updated_layers) but got a gradient in "
@@ -1485,22 +1394,11 @@ void Engine::OnLayerDone(const LayerUpdateResult& r) {
   step_update_seconds_ += r.seconds;
   step_layers_.push_back(r);
   if (r.applied) param_bytes_published_ += state_->layers()[r.layer].param_bytes;
-  if (++layers_done_in_step_ + client_layers_.size() == state_->num_layers()) {
-    const double seconds =
-        std::chrono::duration<double>(SteadyClock::now() - step_started_).count();
-    last_completed_step_ = running_step_;
-    last_step_seconds_ = seconds;
-    step_seconds_sum_ += seconds;
-    if (step_seconds_buckets_.empty()) {
-      step_seconds_buckets_.assign(std::size(kStepSecondsBounds) + 1, 0);
-    }
-    step_seconds_buckets_[static_cast<size_t>(
-        std::lower_bound(std::begin(kStepSecondsBounds), std::end(kStepSecondsBounds), seconds) -
-        std::begin(kStepSecondsBounds))]++;
+  if (seq_.NoteLayerDone(static_cast<uint32_t>(state_->num_layers() - client_layers_.size()))) {
+    const uint64_t step = seq_.Complete(SteadyClock::now());
     for (uint32_t l : client_layers_) {
-      if (state_->committed_version(l) < running_step_) state_->PublishLayer(l, running_step_);
+      if (state_->committed_version(l) < step) state_->PublishLayer(l, step);
     }
-    steps_completed_++;
     if (!pool_prepare_asked_ && !config_.checkpoint.dir.empty() &&
         config_.checkpoint.prepare_snapshot_pool && config_.checkpoint.keep_snapshot_pool) {
       // The ranks have attached and run a step (their own memory is allocated): the next
@@ -1508,20 +1406,17 @@ void Engine::OnLayerDone(const LayerUpdateResult& r) {
       pool_prepare_asked_ = true;
       checkpointer_->PreparePool();
     }
-    MarkCompletedLocked(running_step_);
+    MarkCompletedLocked(step);
     last_step_update_seconds_ = step_update_seconds_;
     last_step_layers_ = std::move(step_layers_);
     step_layers_.clear();
-    next_step_ = running_step_ + 1;
-    running_step_ = 0;
-    step_state_ = "idle";
     shm::ControlBlock& cb = state_->control();
-    shm::Atomic(cb.next_step).store(next_step_, std::memory_order_release);
+    shm::Atomic(cb.next_step).store(seq_.next_step(), std::memory_order_release);
     shm::Atomic(cb.step_state).store(static_cast<uint64_t>(shm::StepState::kIdle));
     ReconcileClientSyncLocked();
     // A queued step starts the moment its predecessor completes: its ranks are already in it
     // (unless an export holds it: ExportHF starts it when done).
-    if (queued_step_ != 0 && !export_active_) StartStepLocked(std::exchange(queued_step_, 0));
+    if (seq_.queued_step() != 0 && !export_active_) StartStepLocked(seq_.TakeQueued());
   }
 }
 
@@ -1531,20 +1426,17 @@ absl::Status Engine::SubmitGradient(uint32_t layer, uint64_t step, GradientRef g
     absl::MutexLock lock(&mu_);
     RETURN_IF_ERROR(CheckJob(""));
     RETURN_IF_ERROR(CheckNotTornLocked());
-    if (running_step_ == 0 && step == next_step_ && export_active_) {
+    if (seq_.WouldStart(step) && export_active_) {
       return absl::UnavailableError("step: an HF export is in progress; retry once it is done");
     }
-    if (running_step_ == 0 && step == next_step_) {
-      step_started_ = SteadyClock::now();
-      running_step_ = step;
-      step_state_ = "running";
-      layers_done_in_step_ = 0;
+    if (seq_.WouldStart(step)) {
+      seq_.Start(step, SteadyClock::now());
       step_update_seconds_ = 0;
       step_layers_.clear();
     }
-    if (step != running_step_) {
-      return absl::OutOfRangeError(absl::StrCat(
-          "step: expected ", running_step_ ? running_step_ : next_step_, ", got ", step));
+    if (step != seq_.running_step()) {
+      return absl::OutOfRangeError(
+          absl::StrCat("step: expected ", seq_.current_step(), ", got ", step));
     }
   }
   return worker_->Submit(layer, step, grad, [this, done](const LayerUpdateResult& r) {
@@ -1578,7 +1470,7 @@ absl::Status Engine::WaitLayerVersion(uint32_t layer, uint64_t version, millisec
 absl::Status Engine::PublishCommId(const slidedp::v1::PublishCommIdRequest& r) {
   absl::MutexLock lock(&mu_);
   RETURN_IF_ERROR(CheckJob(r.job_id()));
-  RETURN_IF_ERROR(CheckRankTokenLocked(r.rank(), r.attach_token()));
+  RETURN_IF_ERROR(ranks_.CheckToken(r.rank(), r.attach_token()));
   if (r.rank() != 0) {
     return absl::PermissionDeniedError(
         absl::StrCat("rank: only rank 0 publishes the communicator id, got rank ", r.rank()));
@@ -1590,44 +1482,36 @@ absl::Status Engine::PublishCommId(const slidedp::v1::PublishCommIdRequest& r) {
   if (r.generation() == 0) {
     return absl::InvalidArgumentError("generation: expected >= 1, got 0");
   }
-  // Ids are of rank 0's current attachment (ReleaseRankLocked drops them with it), so a new
-  // training process starts from any generation; within one attachment each is published once.
-  if (!comm_ids_.emplace(r.generation(), r.unique_id()).second) {
-    return absl::AlreadyExistsError(absl::StrCat(
-        "generation: ", r.generation(),
-        " is already published by this attachment of rank 0; a re-created communicator takes "
-        "the next generation"));
-  }
-  return absl::OkStatus();
+  return ranks_.PublishCommId(r.generation(), r.unique_id());
 }
 
 absl::StatusOr<slidedp::v1::FetchCommIdResponse> Engine::FetchCommId(
     const slidedp::v1::FetchCommIdRequest& r, absl::Time deadline) {
   absl::MutexLock lock(&mu_);
   RETURN_IF_ERROR(CheckJob(r.job_id()));
-  RETURN_IF_ERROR(CheckRankTokenLocked(r.rank(), r.attach_token()));
+  RETURN_IF_ERROR(ranks_.CheckToken(r.rank(), r.attach_token()));
   if (r.generation() == 0) {
     return absl::InvalidArgumentError("generation: expected >= 1, got 0");
   }
   const uint64_t gen = r.generation();
   const uint64_t wait_ms = std::min<uint64_t>(r.wait_ms(), 600000);
-  const std::string token = ranks_[r.rank()].token;
+  const std::string token = ranks_.rank(r.rank()).token;
   auto ready = [this, gen, &r, &token]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    return !serving_ || comm_ids_.count(gen) != 0 || ranks_[r.rank()].token != token;
+    return !serving_ || ranks_.FindCommId(gen) != nullptr || ranks_.rank(r.rank()).token != token;
   };
   mu_.AwaitWithDeadline(
       absl::Condition(&ready),
       std::min(deadline, absl::Now() + absl::Milliseconds(static_cast<int64_t>(wait_ms))));
   RETURN_IF_ERROR(CheckServing());
-  RETURN_IF_ERROR(CheckRankTokenLocked(r.rank(), r.attach_token()));
-  auto it = comm_ids_.find(gen);
-  if (it == comm_ids_.end()) {
+  RETURN_IF_ERROR(ranks_.CheckToken(r.rank(), r.attach_token()));
+  const std::string* id = ranks_.FindCommId(gen);
+  if (id == nullptr) {
     return absl::DeadlineExceededError(
         absl::StrCat("rank 0 has not published the communicator id of generation ", gen, " within ",
-                     wait_ms, " ms", ranks_[0].attached ? "" : " (rank 0 is not attached)"));
+                     wait_ms, " ms", ranks_.rank(0).attached ? "" : " (rank 0 is not attached)"));
   }
   slidedp::v1::FetchCommIdResponse resp;
-  resp.set_unique_id(it->second);
+  resp.set_unique_id(*id);
   return resp;
 }
 
@@ -1646,28 +1530,6 @@ std::vector<slidedp::v1::LayerStatus> Engine::LayerStatuses() const {
     s.set_numa_node(state_->numa_node() >= 0 ? state_->numa_node() : state_node_);
     s.set_skipped_steps(shm::Atomic(state_->layer_control(info.index).skipped_steps).load());
     s.set_last_grad_norm(last_grad_norm_.empty() ? 0 : last_grad_norm_[info.index]);
-    out.push_back(std::move(s));
-  }
-  return out;
-}
-
-std::vector<slidedp::v1::RankStatus> Engine::RankStatuses() const {
-  std::vector<slidedp::v1::RankStatus> out;
-  const auto now = SteadyClock::now();
-  for (uint32_t r = 0; r < ranks_.size(); ++r) {
-    const RankEntry& e = ranks_[r];
-    slidedp::v1::RankStatus s;
-    s.set_rank(r);
-    s.set_pid(e.pid);
-    s.set_hostname(e.hostname);
-    s.set_gpu(e.gpu);
-    s.set_connected(e.connected);
-    s.set_attached(e.attached);
-    s.set_last_step(e.last_step);
-    if (e.attached) {
-      s.set_ms_since_heartbeat(static_cast<uint64_t>(
-          std::chrono::duration_cast<milliseconds>(now - e.last_heartbeat).count()));
-    }
     out.push_back(std::move(s));
   }
   return out;
@@ -1703,13 +1565,13 @@ absl::StatusOr<slidedp::v1::GetStatusResponse> Engine::GetStatus() {
   js->set_model_name(state_->model().manifest.name());
   js->set_family(state_->model().manifest.family());
   js->set_world_size(job_->world_size());
-  js->set_step(steps_completed_);
-  js->set_step_state(step_state_);
+  js->set_step(seq_.steps_completed());
+  js->set_step_state(shm::ToString(seq_.state()));
   js->set_total_params(state_->total_params());
   js->set_manifest_hash(model::ManifestHashHex(state_->manifest_hash()));
   *js->mutable_routes() = job_->routes();
   *js->mutable_optimizer() = worker_->optimizer();
-  js->set_current_lr(model::LearningRate(worker_->optimizer(), next_step_));
+  js->set_current_lr(model::LearningRate(worker_->optimizer(), seq_.next_step()));
   js->set_weights_source(state_->weights_source());
   for (uint32_t l : client_layers_) js->add_client_updated_layers(l);
   if (!resumed_from_.empty()) {
@@ -1726,7 +1588,7 @@ absl::StatusOr<slidedp::v1::GetStatusResponse> Engine::GetStatus() {
   }
   js->set_checkpoint_in_flight_step(checkpointer_->in_flight_step());
   for (auto& l : LayerStatuses()) *resp.add_layers() = std::move(l);
-  for (auto& r : RankStatuses()) *resp.add_ranks() = std::move(r);
+  for (auto& r : ranks_.Statuses(SteadyClock::now())) *resp.add_ranks() = std::move(r);
   for (const auto& seg : state_->segments()) {
     auto* s = resp.add_segments();
     s->set_name(seg.name);
@@ -1752,11 +1614,10 @@ absl::StatusOr<std::string> Engine::StatusLine(absl::Duration max_wait) {
   if (!job_) {
     line = creating_ ? CreationLineLocked() : std::string("serving, no job");
   } else {
-    int attached = 0;
-    for (const RankEntry& r : ranks_) attached += r.attached ? 1 : 0;
+    const uint32_t attached = ranks_.NumAttached();
     line = absl::StrCat("job ", job_->job_id(), " (", state_->model().manifest.name(),
-                        "): ", steps_completed_, " steps, ", step_state_, ", ", attached, "/",
-                        job_->world_size(), " ranks attached");
+                        "): ", seq_.steps_completed(), " steps, ", shm::ToString(seq_.state()),
+                        ", ", attached, "/", job_->world_size(), " ranks attached");
   }
   mu_.Unlock();
   return line;
@@ -1787,7 +1648,7 @@ absl::StatusOr<slidedp::v1::ListRanksResponse> Engine::ListRanks(
   absl::MutexLock lock(&mu_);
   RETURN_IF_ERROR(CheckJob(r.job_id()));
   slidedp::v1::ListRanksResponse resp;
-  for (auto& s : RankStatuses()) *resp.add_ranks() = std::move(s);
+  for (auto& s : ranks_.Statuses(SteadyClock::now())) *resp.add_ranks() = std::move(s);
   return resp;
 }
 
@@ -1797,8 +1658,8 @@ absl::StatusOr<slidedp::v1::GetStatsResponse> Engine::GetStats(
   RETURN_IF_ERROR(CheckJob(r.job_id()));
   const UpdateStats ws = worker_->stats();
   slidedp::v1::GetStatsResponse resp;
-  resp.set_steps_completed(steps_completed_);
-  resp.set_steps_aborted(steps_aborted_);
+  resp.set_steps_completed(seq_.steps_completed());
+  resp.set_steps_aborted(seq_.steps_aborted());
   resp.set_layer_updates(ws.layer_updates);
   resp.set_layer_updates_skipped(ws.layer_updates_skipped);
   resp.set_update_seconds_total(ws.update_seconds_total);
@@ -1831,13 +1692,11 @@ absl::StatusOr<slidedp::v1::GetStatsResponse> Engine::GetStats(
   }
   resp.set_last_step_span_seconds(last - first);
   resp.set_last_step_idle_seconds(idle);
-  resp.set_last_step(last_completed_step_);
-  resp.set_last_step_seconds(last_step_seconds_);
-  resp.set_step_seconds_sum(step_seconds_sum_);
-  for (double b : kStepSecondsBounds) resp.add_step_seconds_bounds(b);
-  for (size_t i = 0; i <= std::size(kStepSecondsBounds); ++i) {
-    resp.add_step_seconds_buckets(i < step_seconds_buckets_.size() ? step_seconds_buckets_[i] : 0);
-  }
+  resp.set_last_step(seq_.last_completed_step());
+  resp.set_last_step_seconds(seq_.last_step_seconds());
+  resp.set_step_seconds_sum(seq_.step_seconds_sum());
+  for (double b : StepSequencer::kStepSecondsBounds) resp.add_step_seconds_bounds(b);
+  for (uint64_t n : seq_.step_seconds_buckets()) resp.add_step_seconds_buckets(n);
   resp.set_grad_bytes_received(reducer_->stats().bytes_reduced);
   resp.set_param_bytes_published(param_bytes_published_);
   // The checkpointer's last commit (step 0 and age -1 before the first).
@@ -1846,7 +1705,7 @@ absl::StatusOr<slidedp::v1::GetStatsResponse> Engine::GetStats(
   resp.set_checkpoint_age_seconds(
       committed_ms > 0 ? static_cast<double>(UnixMs() - committed_ms) / 1000.0 : -1.0);
   resp.set_exports_completed(exports_completed_);
-  resp.set_step_running(running_step_);
+  resp.set_step_running(seq_.running_step());
   const CheckpointStats cs = checkpointer_->stats();
   resp.set_checkpoint_stall_seconds(cs.stall_seconds);
   resp.set_checkpoint_snapshot_seconds(cs.snapshot_seconds);
@@ -1898,7 +1757,7 @@ absl::StatusOr<slidedp::v1::UpdateHyperParamsResponse> Engine::UpdateHyperParams
   *job_->mutable_optimizer() = next;
   slidedp::v1::SessionEvent ev;
   *ev.mutable_hyper_params_changed()->mutable_optimizer() = next;
-  BroadcastLocked(ev);
+  ranks_.Broadcast(ev);
   slidedp::v1::UpdateHyperParamsResponse resp;
   *resp.mutable_optimizer() = next;
   return resp;
@@ -1908,29 +1767,17 @@ absl::StatusOr<slidedp::v1::SessionOpened> Engine::OpenSession(
     const slidedp::v1::SessionOpen& open) {
   absl::MutexLock lock(&mu_);
   RETURN_IF_ERROR(CheckJob(open.job_id()));
-  RETURN_IF_ERROR(CheckRankTokenLocked(open.rank(), open.attach_token()));
-  RankEntry& e = ranks_[open.rank()];
-  if (e.connected) {
-    return absl::AlreadyExistsError(
-        absl::StrCat("rank ", open.rank(), " already has an open session"));
-  }
-  e.connected = true;
-  e.last_heartbeat = SteadyClock::now();
+  RETURN_IF_ERROR(ranks_.OpenSession(open.rank(), open.attach_token(), SteadyClock::now()));
   slidedp::v1::SessionOpened opened;
   opened.set_heartbeat_interval_ms(config_.heartbeat_interval_ms);
   opened.set_heartbeat_deadline_ms(config_.heartbeat_deadline_ms);
   return opened;
 }
 
-bool Engine::IsAttachmentLocked(uint32_t rank, const std::string& token) const {
-  return rank < ranks_.size() && ranks_[rank].attached && ranks_[rank].token == token;
-}
-
 void Engine::SessionHeartbeat(uint32_t rank, const std::string& token,
                               const slidedp::v1::Heartbeat& hb) {
   absl::MutexLock lock(&mu_);
-  if (!IsAttachmentLocked(rank, token) || !ranks_[rank].connected) return;
-  ranks_[rank].last_heartbeat = SteadyClock::now();
+  if (!ranks_.Heartbeat(rank, token, SteadyClock::now())) return;
   shm::Atomic(state_->rank_slot(rank).heartbeat_ns).store(MonotonicNs());
   shm::Atomic(state_->rank_slot(rank).layer).store(hb.layer());
 }
@@ -1939,11 +1786,12 @@ void Engine::SessionClosed(uint32_t rank, const std::string& token, absl::string
   absl::MutexLock lock(&mu_);
   // The stream of an attachment that already ended (the rank detached, or re-attached with a new
   // token) closing late must not end the attachment that replaced it.
-  if (!IsAttachmentLocked(rank, token)) return;
+  if (!ranks_.IsAttachment(rank, token)) return;
   spdlog::warn("rank {} session closed: {}", rank, std::string(reason));
-  if (running_step_ != 0 && serving_ && !AllLayersAt(*state_, running_step_, client_updated_)) {
-    AbortStepLocked(running_step_, absl::StrCat("rank ", rank, " lost: ", reason));
-  } else if (queued_step_ != 0 && serving_) {
+  if (seq_.running_step() != 0 && serving_ &&
+      !AllLayersAt(*state_, seq_.running_step(), client_updated_)) {
+    AbortStepLocked(seq_.running_step(), absl::StrCat("rank ", rank, " lost: ", reason));
+  } else if (seq_.queued_step() != 0 && serving_) {
     DropQueuedStepLocked(absl::StrCat("rank ", rank, " lost: ", reason));
   }
   ReleaseRankLocked(rank);
@@ -1954,19 +1802,15 @@ std::optional<slidedp::v1::SessionEvent> Engine::NextSessionEvent(uint32_t rank,
                                                                   milliseconds timeout) {
   absl::MutexLock lock(&mu_);
   auto ready = [this, rank, &token]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    return !IsAttachmentLocked(rank, token) || !ranks_[rank].connected ||
-           !ranks_[rank].events.empty();
+    return ranks_.EventReadyOrGone(rank, token);
   };
   mu_.AwaitWithTimeout(absl::Condition(&ready), absl::Milliseconds(timeout.count()));
-  if (!IsAttachmentLocked(rank, token) || ranks_[rank].events.empty()) return std::nullopt;
-  slidedp::v1::SessionEvent ev = std::move(ranks_[rank].events.front());
-  ranks_[rank].events.pop_front();
-  return ev;
+  return ranks_.PopEvent(rank, token);
 }
 
 bool Engine::SessionActive(uint32_t rank, const std::string& token) const {
   absl::MutexLock lock(&mu_);
-  return serving_ && IsAttachmentLocked(rank, token) && ranks_[rank].connected;
+  return serving_ && ranks_.SessionOpen(rank, token);
 }
 
 absl::StatusOr<slidedp::v1::ExportHFResponse> Engine::ExportHF(
@@ -2003,12 +1847,12 @@ absl::StatusOr<slidedp::v1::ExportHFResponse> Engine::ExportHF(
     RETURN_IF_ERROR(ExportConfigJson(o.config_json, state_->model().manifest, o.dtype).status());
     export_active_ = true;
     auto boundary = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-      return (running_step_ == 0 && seals_pending_ == 0) || !serving_;
+      return (seq_.running_step() == 0 && seq_.seals_pending() == 0) || !serving_;
     };
     absl::Status ready = absl::OkStatus();
     if (!mu_.AwaitWithTimeout(absl::Condition(&boundary), absl::Minutes(10))) {
       ready = absl::DeadlineExceededError(
-          absl::StrCat("step ", running_step_,
+          absl::StrCat("step ", seq_.running_step(),
                        " did not complete within 10 minutes; the export waits for a "
                        "step boundary"));
     }
@@ -2024,12 +1868,12 @@ absl::StatusOr<slidedp::v1::ExportHFResponse> Engine::ExportHF(
           " are updated by the ranks (client_updated_layers) and hostd's copy of them is ",
           client_copy_version_ ? absl::StrCat("at version ", *client_copy_version_)
                                : std::string("of an unknown version"),
-          ", not ", next_step_ - 1,
+          ", not ", seq_.next_step() - 1,
           ", so an export would mix versions; it is current after rank 0 uploads it (python_client "
           "does when it closes) and in a job resumed from a checkpoint (hostd --resume DIR); or "
           "export from the training job (save_pretrained)"));
     }
-    version = next_step_ - 1;
+    version = seq_.next_step() - 1;
     if (ready.ok()) {
       for (uint32_t l = 0; l < state_->num_layers(); ++l) {
         if (state_->committed_version(l) != version) {
@@ -2052,8 +1896,8 @@ absl::StatusOr<slidedp::v1::ExportHFResponse> Engine::ExportHF(
     absl::MutexLock lock(&mu_);
     export_active_ = false;
     if (done.ok()) exports_completed_++;
-    if (serving_ && running_step_ == 0 && queued_step_ != 0) {
-      StartStepLocked(std::exchange(queued_step_, 0));
+    if (serving_ && seq_.running_step() == 0 && seq_.queued_step() != 0) {
+      StartStepLocked(seq_.TakeQueued());
     }
   }
   if (!done.ok()) {
@@ -2083,16 +1927,14 @@ void Engine::MonitorLoop() {
     if (monitor_stop_) break;
     if (!state_) continue;
     shm::Atomic(state_->control().hostd_alive_ns).store(MonotonicNs(), std::memory_order_release);
-    const auto now = SteadyClock::now();
-    for (uint32_t r = 0; r < ranks_.size(); ++r) {
-      RankEntry& e = ranks_[r];
-      if (!e.connected || now - e.last_heartbeat <= deadline) continue;
+    for (uint32_t r : ranks_.MissedDeadline(SteadyClock::now(), deadline)) {
       spdlog::warn("rank {} missed its heartbeat deadline ({} ms)", r, deadline.count());
-      if (running_step_ != 0 && serving_) {
-        AbortStepLocked(running_step_, absl::StrCat("rank ", r, " missed its heartbeat deadline"));
+      if (seq_.running_step() != 0 && serving_) {
+        AbortStepLocked(seq_.running_step(),
+                        absl::StrCat("rank ", r, " missed its heartbeat deadline"));
       }
       // The rank stays attached but disconnected; its stream handler ends on the next event.
-      e.connected = false;
+      ranks_.Disconnect(r);
     }
   }
 }

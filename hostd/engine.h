@@ -1,7 +1,9 @@
 // Engine: hostd's core, independent of gRPC so it can run embedded in tests (DCGM's embedded
 // host-engine pattern). It owns, in order of construction: the topology, the update thread pool
 // (pinned to the cores of the state's NUMA node), the training state in shared memory, the update
-// worker, and the job's control-plane state (attached ranks, step lifecycle, NCCL id).
+// worker, and the job's control-plane state: the attached ranks, their sessions and NCCL ids
+// (RankTable, hostd/rank_table.h) and the step lifecycle (StepSequencer, hostd/step_sequencer.h),
+// which decide while the engine applies their decisions to the shared memory and the ranks.
 // hostd/service.cc translates RPCs into calls on it; every method validates its input and returns
 // a Status with the most specific code and a message naming the field and the expected value.
 //
@@ -31,15 +33,19 @@
 // on the calling thread, except in CreateJob, which creates and initializes the state before it
 // returns -- without mu_: GetStatus shows the job as being created meanwhile, and the other job
 // RPCs answer UNAVAILABLE until it exists.
+//
+// Lock order: mu_ first. The engine's collaborators without a lock of their own -- the rank
+// table (ranks_) and the step sequencer (seq_) -- are guarded by it. Under mu_ the engine calls
+// into the reducer, the update worker and the checkpointer, which take their own locks (the
+// reducer's before the worker's); their callbacks into the engine (OnLayerDone, an aborted step's
+// seal, the reducer's protocol error) run under none of those locks and take mu_ themselves.
 #pragma once
 
 #include <array>
 #include <atomic>
 #include <chrono>
 #include <cstdint>
-#include <deque>
 #include <functional>
-#include <map>
 #include <memory>
 #include <optional>
 #include <string>
@@ -56,8 +62,10 @@
 #include "hostd/checkpoint.h"
 #include "hostd/config.h"
 #include "hostd/optimizer.h"
+#include "hostd/rank_table.h"
 #include "hostd/reducer.h"
 #include "hostd/state.h"
+#include "hostd/step_sequencer.h"
 #include "hostd/topology.h"
 #include "slidedp/v1/control.pb.h"
 
@@ -188,18 +196,6 @@ class Engine {
   const Topology& topology() const { return topology_; }
 
  private:
-  struct RankEntry {
-    bool attached = false;
-    bool connected = false;
-    std::string token;
-    int32_t pid = 0;
-    std::string hostname;
-    int32_t gpu = -1;
-    uint64_t last_step = 0;
-    std::chrono::steady_clock::time_point last_heartbeat;
-    std::deque<slidedp::v1::SessionEvent> events;
-  };
-
   Engine(HostdConfig config, std::vector<ConfigEntry> entries,
          CreationProgressFn creation_progress);
   absl::Status Init(std::optional<Topology> topology);
@@ -244,19 +240,12 @@ class Engine {
   absl::Status FinalCheckpoint();
   absl::Status CheckJob(absl::string_view job_id) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
   absl::Status CheckServing() const ABSL_SHARED_LOCKS_REQUIRED(mu_);
-  // FAILED_PRECONDITION / PERMISSION_DENIED unless `rank` is attached with `token`.
-  absl::Status CheckRankTokenLocked(uint32_t rank, const std::string& token) const
-      ABSL_SHARED_LOCKS_REQUIRED(mu_);
-  bool IsAttachmentLocked(uint32_t rank, const std::string& token) const
-      ABSL_SHARED_LOCKS_REQUIRED(mu_);
-  // Ends the rank's attachment (a detach or a lost session); rank 0's comm ids go with it.
+  // Ends the rank's attachment (a detach or a lost session) in the table and in its RankSlot.
   void ReleaseRankLocked(uint32_t rank) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Remembers an aborted or dropped step and why, for a rank that asks to begin it later.
-  void NoteAbortLocked(uint64_t step, absl::string_view reason) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void AbortStepLocked(uint64_t step, absl::string_view reason) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // `step` becomes the running step: the reducer is armed, the ranks are told.
   void StartStepLocked(uint64_t step) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Drops queued_step_ (see the overview); only once the running step's pushes are all in, or
+  // Drops the queued step (see the overview); only once the running step's pushes are all in, or
   // with the running step's abort, which has bumped the abort epoch already (`bump_epoch` false).
   void DropQueuedStepLocked(absl::string_view reason, bool bump_epoch = true)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -266,14 +255,14 @@ class Engine {
   void BumpAbortEpochLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Waits (bounded) until the worker has sealed every aborted step.
   absl::Status AwaitSealsLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // FAILED_PRECONDITION naming the torn layers, if any.
+  // FAILED_PRECONDITION naming the torn layers (with their versions), if any.
   absl::Status CheckNotTornLocked() const ABSL_SHARED_LOCKS_REQUIRED(mu_);
   std::string TornMessageLocked() const ABSL_SHARED_LOCKS_REQUIRED(mu_);
-  void BroadcastLocked(const slidedp::v1::SessionEvent& ev) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A torn layer as TornMessage names it: index, name and versions.
+  std::string DescribeTornLayerLocked(uint32_t layer) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
   void OnLayerDone(const LayerUpdateResult& r);
   void MonitorLoop();
   std::vector<slidedp::v1::LayerStatus> LayerStatuses() const ABSL_SHARED_LOCKS_REQUIRED(mu_);
-  std::vector<slidedp::v1::RankStatus> RankStatuses() const ABSL_SHARED_LOCKS_REQUIRED(mu_);
 
   const HostdConfig config_;
   const std::vector<ConfigEntry> entries_;
@@ -300,13 +289,8 @@ class Engine {
   std::unique_ptr<Checkpointer> checkpointer_;     // set once under mu_, then read-only
   std::string resumed_from_ ABSL_GUARDED_BY(mu_);  // the checkpoint the job started from
   uint64_t start_step_ ABSL_GUARDED_BY(mu_) = 0;   // the version the job started at
-  std::vector<RankEntry> ranks_ ABSL_GUARDED_BY(mu_);
-  uint64_t next_step_ ABSL_GUARDED_BY(mu_) = 1;
-  uint64_t running_step_ ABSL_GUARDED_BY(mu_) = 0;  // 0: none
-  uint64_t queued_step_ ABSL_GUARDED_BY(mu_) = 0;   // 0: none, else running_step_ + 1
-  std::string step_state_ ABSL_GUARDED_BY(mu_) = "idle";
-  uint32_t layers_done_in_step_ ABSL_GUARDED_BY(mu_) = 0;
-  uint64_t steps_completed_ ABSL_GUARDED_BY(mu_) = 0;
+  RankTable ranks_ ABSL_GUARDED_BY(mu_);
+  StepSequencer seq_ ABSL_GUARDED_BY(mu_);
   bool pool_prepare_asked_ ABSL_GUARDED_BY(mu_) = false;  // PreparePool asked (once)
   // Layers the attached ranks update themselves (AttachRankRequest.client_updated_layers),
   // ascending; `client_updated_[l]` per layer. Set by the rank that attaches when no other is
@@ -326,27 +310,14 @@ class Engine {
   std::vector<std::array<uint64_t, 3>> client_received_ ABSL_GUARDED_BY(mu_);
   // An UploadClientLayer piece is being copied into the state outside mu_ (one at a time).
   bool client_piece_copying_ ABSL_GUARDED_BY(mu_) = false;
-  uint64_t steps_aborted_ ABSL_GUARDED_BY(mu_) = 0;
   double last_step_update_seconds_ ABSL_GUARDED_BY(mu_) = 0;
   double step_update_seconds_ ABSL_GUARDED_BY(mu_) = 0;
-  std::vector<LayerUpdateResult> step_layers_ ABSL_GUARDED_BY(mu_);       // of running_step_
+  std::vector<LayerUpdateResult> step_layers_ ABSL_GUARDED_BY(mu_);       // of the running step
   std::vector<LayerUpdateResult> last_step_layers_ ABSL_GUARDED_BY(mu_);  // last completed
-  uint32_t seals_pending_ ABSL_GUARDED_BY(mu_) = 0;  // aborted steps the worker has not sealed
-  // Step timing and traffic (GetStats fields 140+).
-  std::chrono::steady_clock::time_point step_started_ ABSL_GUARDED_BY(mu_);
-  uint64_t last_completed_step_ ABSL_GUARDED_BY(mu_) = 0;
-  double last_step_seconds_ ABSL_GUARDED_BY(mu_) = 0;
-  double step_seconds_sum_ ABSL_GUARDED_BY(mu_) = 0;
-  std::vector<uint64_t> step_seconds_buckets_ ABSL_GUARDED_BY(mu_);
+  // Traffic (GetStats fields 140+; the step timing is the sequencer's).
   uint64_t param_bytes_published_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t exports_completed_ ABSL_GUARDED_BY(mu_) = 0;
-  std::vector<uint32_t> torn_layers_ ABSL_GUARDED_BY(mu_);
   std::vector<double> last_grad_norm_ ABSL_GUARDED_BY(mu_);
-  // The communicator ids rank 0's current attachment published, by generation.
-  std::map<uint64_t, std::string> comm_ids_ ABSL_GUARDED_BY(mu_);
-  // The last aborted or dropped steps and their causes, oldest first.
-  std::deque<std::pair<uint64_t, std::string>> recent_aborts_ ABSL_GUARDED_BY(mu_);
-  uint64_t token_counter_ ABSL_GUARDED_BY(mu_) = 0;
   bool monitor_stop_ ABSL_GUARDED_BY(mu_) = false;
   // An ExportHF is writing: no step starts (BeginStep waits, a queued step stays queued).
   bool export_active_ ABSL_GUARDED_BY(mu_) = false;

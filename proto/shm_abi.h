@@ -67,7 +67,27 @@ struct alignas(64) SegmentHeader {
 static_assert(sizeof(SegmentHeader) == 128);
 static_assert(offsetof(SegmentHeader, ready) == 56);
 
-enum class StepState : uint64_t { kIdle = 0, kRunning = 1, kAborting = 2 };
+// The job's step state. ControlBlock::step_state holds kIdle, kRunning or kAborting (an aborted
+// step until the update worker has sealed it); GetStatus also reports kAborted (the last step was
+// aborted, none has started since) and kTorn (an abort tore a layer: no step can run).
+enum class StepState : uint64_t { kIdle = 0, kRunning = 1, kAborting = 2, kAborted = 3, kTorn = 4 };
+
+// The state's name as GetStatus reports it (JobStatus.step_state).
+constexpr const char* ToString(StepState s) {
+  switch (s) {
+    case StepState::kIdle:
+      return "idle";
+    case StepState::kRunning:
+      return "running";
+    case StepState::kAborting:
+      return "aborting";
+    case StepState::kAborted:
+      return "aborted";
+    case StepState::kTorn:
+      return "torn";
+  }
+  return "unknown";
+}
 
 // The element type of the gradients in the grads segment (ControlBlock::grad_dtype,
 // ChunkSlot::dtype). The values are control.proto's DType and the rank C ABI's SLIDEDP_DTYPE_*
