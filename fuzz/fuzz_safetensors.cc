@@ -77,7 +77,7 @@ void CheckHeader(const model::SafetensorsHeader& h) {
 }
 
 void FuzzFile(std::string_view bytes) {
-  absl::StatusOr<model::SafetensorsHeader> parsed = model::ParseSafetensorsFile(bytes);
+  absl::StatusOr<model::SafetensorsHeader> parsed = slidedp::model::ParseSafetensorsFile(bytes);
   if (parsed.ok()) {
     CheckHeader(*parsed);
     FUZZ_CHECK(parsed->data_offset + parsed->data_bytes == bytes.size());
@@ -119,7 +119,7 @@ void FuzzCheckpoint(std::string_view rest) {
   absl::StatusOr<std::unique_ptr<model::SafetensorsCheckpoint>> ckpt = model::SafetensorsCheckpoint::Open(dir);
   if (!ckpt.ok()) return;
   absl::StatusOr<std::map<std::string, std::string, std::less<>>> map =
-      model::ParseSafetensorsIndex(index);
+      slidedp::model::ParseSafetensorsIndex(index);
   FUZZ_CHECK(map.ok());
   // Every weight_map entry resolves to its tensor in the shard it names (shards may hold more).
   FUZZ_CHECK((*ckpt)->tensors().size() >= map->size());
@@ -144,7 +144,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       FuzzFile(rest);
       break;
     case 1: {
-      auto map = model::ParseSafetensorsIndex(rest);
+      auto map = slidedp::model::ParseSafetensorsIndex(rest);
       if (map.ok()) {
         for (const auto& [name, file] : *map) {
           FUZZ_CHECK(!file.empty() && file.find('/') == std::string::npos && file != "." &&
@@ -160,7 +160,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       if (rest.size() < 8) return 0;
       uint64_t data_bytes;
       std::memcpy(&data_bytes, rest.data(), 8);
-      auto h = model::ParseSafetensorsHeader(rest.substr(8), data_bytes);
+      auto h = slidedp::model::ParseSafetensorsHeader(rest.substr(8), data_bytes);
       if (h.ok()) {
         FUZZ_CHECK(h->data_bytes == data_bytes);
         CheckHeader(*h);

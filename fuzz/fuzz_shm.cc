@@ -205,12 +205,12 @@ class Harness {
   }
 
  private:
-  uint64_t model::LayerNumel(uint32_t l) const { return state_->layers()[l].numel; }
+  uint64_t LayerNumel(uint32_t l) const { return state_->layers()[l].numel; }
   // The range this rank pushes of layer `l`: the whole layer (sum), its shard, or nothing.
   shm::ShardRange Range(const FakeRank& fr, uint32_t l) const {
     if (fr.part < 0) return {0, 0};
-    if (sum_) return {0, model::LayerNumel(l)};
-    return shm::ShardOf(model::LayerNumel(l), parts_, static_cast<uint32_t>(fr.part));
+    if (sum_) return {0, LayerNumel(l)};
+    return shm::ShardOf(LayerNumel(l), parts_, static_cast<uint32_t>(fr.part));
   }
   // Skips layers where the rank has nothing to push; false when the step is all pushed.
   bool Settle(FakeRank& fr) const {
