@@ -48,11 +48,11 @@
 
 #include "absl/strings/str_cat.h"
 #include "hostd/engine.h"
-#include "model/job_spec.h"
-#include "model/manifest.h"
 #include "hostd/service.h"
 #include "hostd/test_util.h"
 #include "hostd/topology.h"
+#include "model/job_spec.h"
+#include "model/manifest.h"
 #include "spdlog/spdlog.h"
 
 namespace slidedp::hostd {
@@ -524,7 +524,8 @@ class Harness {
     if (!had_job && r.resume_path().empty() && f.total() >= kSkipFrom && f.total() < kSkipTo) {
       v1::Routes defaults;
       defaults.set_chunk_bytes(kDefaultChunkBytes);
-      if (model::ValidateManifest(r.spec().manifest()).ok() && model::NormalizeJobSpec(r.spec(), defaults).ok()) {
+      if (model::ValidateManifest(r.spec().manifest()).ok() &&
+          model::NormalizeJobSpec(r.spec(), defaults).ok()) {
         if (Verbose())
           fprintf(stderr, "fuzz_rpc: CreateJob of %.3g bytes not sent\n",
                   static_cast<double>(f.total()));

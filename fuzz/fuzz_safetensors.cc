@@ -116,7 +116,8 @@ void FuzzCheckpoint(std::string_view rest) {
   std::filesystem::remove(dir + "/model.safetensors");
   WriteFile(dir + "/model.safetensors.index.json", index);
   WriteFile(dir + "/a.safetensors", shard);
-  absl::StatusOr<std::unique_ptr<model::SafetensorsCheckpoint>> ckpt = model::SafetensorsCheckpoint::Open(dir);
+  absl::StatusOr<std::unique_ptr<model::SafetensorsCheckpoint>> ckpt =
+      model::SafetensorsCheckpoint::Open(dir);
   if (!ckpt.ok()) return;
   absl::StatusOr<std::map<std::string, std::string, std::less<>>> map =
       slidedp::model::ParseSafetensorsIndex(index);

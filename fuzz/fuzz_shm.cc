@@ -58,7 +58,7 @@ ThreadPool* Pool() {
 
 model::LoadedModel FuzzModel() {
   model::LoadedModel m = testing::SmallModel();  // layers of 9970 and 15000 elements
-  auto* l2 = m.manifest.add_layers();     // and one of 50: empty shards with 2 ranks
+  auto* l2 = m.manifest.add_layers();            // and one of 50: empty shards with 2 ranks
   l2->set_name("tiny");
   l2->set_kind(v1::LAYER_KIND_DECODER);
   auto* t = l2->add_tensors();

@@ -101,7 +101,8 @@ class CheckpointTest : public ::testing::Test {
     TrainingState::Options o;
     o.instance = UniqueInstance("ck");
     o.model = SmallModel();
-    o.model.manifest.set_manifest_hash(model::ManifestHashHex(model::ManifestHash(o.model.manifest)));
+    o.model.manifest.set_manifest_hash(
+        model::ManifestHashHex(model::ManifestHash(o.model.manifest)));
     o.seed = seed;
     o.mlock = MlockPolicy::kOff;
     auto s = std::move(*TrainingState::Create(o, pool_.get()));
@@ -143,7 +144,9 @@ class CheckpointTest : public ::testing::Test {
   }
 
   // The name of a checkpoint the fixture's checkpointers write (instance and job "default").
-  static std::string Name(uint64_t step) { return model::CheckpointDirName(step, {"default", "default"}); }
+  static std::string Name(uint64_t step) {
+    return model::CheckpointDirName(step, {"default", "default"});
+  }
 
   fs::path dir_;
   std::unique_ptr<ThreadPool> pool_;
@@ -326,7 +329,8 @@ TEST_F(CheckpointTest, NoMemoryForSnapshotsWritesLiveAndCommits) {
     t->add_shape(4096);
     t->add_shape(4096);
     t->set_dtype(v1::DTYPE_BF16);
-    so.model.manifest.set_manifest_hash(model::ManifestHashHex(model::ManifestHash(so.model.manifest)));
+    so.model.manifest.set_manifest_hash(
+        model::ManifestHashHex(model::ManifestHash(so.model.manifest)));
     so.seed = seed;
     so.mlock = MlockPolicy::kOff;
     auto created = TrainingState::Create(so, pool_.get());
@@ -815,9 +819,10 @@ TEST_F(CheckpointTest, InstancesAndJobsSharingADirectoryKeepToTheirOwn) {
     for (const auto& e : fs::directory_iterator(dir_)) n.insert(e.path().filename().string());
     return n;
   };
-  EXPECT_EQ(names(), (std::set<std::string>{model::CheckpointDirName(3, ia), model::CheckpointDirName(4, ia),
-                                            model::CheckpointDirName(3, ib), model::CheckpointDirName(4, ib),
-                                            model::CheckpointDirName(4, ij)}));
+  EXPECT_EQ(names(),
+            (std::set<std::string>{model::CheckpointDirName(3, ia), model::CheckpointDirName(4, ia),
+                                   model::CheckpointDirName(3, ib), model::CheckpointDirName(4, ib),
+                                   model::CheckpointDirName(4, ij)}));
   for (const auto& [scope, want] :
        std::vector<std::pair<model::CheckpointScope, uint64_t>>{{ia, 4}, {ib, 4}, {ij, 4}}) {
     auto found = FindLatestCheckpoint(dir, scope);
@@ -849,17 +854,21 @@ TEST_F(CheckpointTest, InstancesAndJobsSharingADirectoryKeepToTheirOwn) {
   for (const std::string& want :
        {std::string("holds the checkpoints of 3 jobs"), std::string("instance 'ia' job 'default'"),
         std::string("instance 'ib' job 'default'"), std::string("instance 'ia' job 'job-2'"),
-        (dir_ / model::CheckpointDirName(4, ib)).string(), std::string("name the step directory")}) {
+        (dir_ / model::CheckpointDirName(4, ib)).string(),
+        std::string("name the step directory")}) {
     EXPECT_NE(ambiguous.status().message().find(want), std::string::npos)
         << want << " in: " << ambiguous.status();
   }
   // A directory name that contradicts meta.json is refused.
-  fs::rename(dir_ / model::CheckpointDirName(3, ib), dir_ / model::CheckpointDirName(3, {"ix", "default"}));
-  auto renamed = model::ReadCheckpointInfo((dir_ / model::CheckpointDirName(3, {"ix", "default"})).string());
+  fs::rename(dir_ / model::CheckpointDirName(3, ib),
+             dir_ / model::CheckpointDirName(3, {"ix", "default"}));
+  auto renamed =
+      model::ReadCheckpointInfo((dir_ / model::CheckpointDirName(3, {"ix", "default"})).string());
   EXPECT_TRUE(absl::IsDataLoss(renamed.status())) << renamed.status();
   EXPECT_NE(renamed.status().message().find("instance 'ib' job 'default'"), std::string::npos)
       << renamed.status();
-  fs::rename(dir_ / model::CheckpointDirName(3, {"ix", "default"}), dir_ / model::CheckpointDirName(3, ib));
+  fs::rename(dir_ / model::CheckpointDirName(3, {"ix", "default"}),
+             dir_ / model::CheckpointDirName(3, ib));
 
   // A format-2 checkpoint (step 9, newer than all) in the same directory.
   {
@@ -889,9 +898,10 @@ TEST_F(CheckpointTest, InstancesAndJobsSharingADirectoryKeepToTheirOwn) {
   }
   ASSERT_TRUE(ca.Start(dir, 5, Describe(*a)).ok());  // prunes ia's step 3, nothing else
   ASSERT_TRUE(ca.Wait(5, 60000).ok());
-  EXPECT_EQ(names(), (std::set<std::string>{model::CheckpointDirName(4, ia), model::CheckpointDirName(5, ia),
-                                            model::CheckpointDirName(3, ib), model::CheckpointDirName(4, ib),
-                                            model::CheckpointDirName(4, ij), model::CheckpointDirName(9)}));
+  EXPECT_EQ(names(),
+            (std::set<std::string>{model::CheckpointDirName(4, ia), model::CheckpointDirName(5, ia),
+                                   model::CheckpointDirName(3, ib), model::CheckpointDirName(4, ib),
+                                   model::CheckpointDirName(4, ij), model::CheckpointDirName(9)}));
   auto legacy = FindLatestCheckpoint((dir_ / model::CheckpointDirName(9)).string());
   ASSERT_TRUE(legacy.ok()) << legacy.status();
   EXPECT_EQ(legacy->job_id, "default");
@@ -983,10 +993,10 @@ TEST(CheckpointScopeEngineTest, InstancesSharingADirectoryNeitherPruneNorRestore
   }
   std::set<std::string> names;
   for (const auto& e : fs::directory_iterator(ck)) names.insert(e.path().filename().string());
-  EXPECT_EQ(names,
-            (std::set<std::string>{
-                model::CheckpointDirName(3, {ia, "default"}), model::CheckpointDirName(4, {ia, "default"}),
-                model::CheckpointDirName(5, {ib, "default"}), model::CheckpointDirName(6, {ib, "default"})}));
+  EXPECT_EQ(names, (std::set<std::string>{model::CheckpointDirName(3, {ia, "default"}),
+                                          model::CheckpointDirName(4, {ia, "default"}),
+                                          model::CheckpointDirName(5, {ib, "default"}),
+                                          model::CheckpointDirName(6, {ib, "default"})}));
   {
     // A crash left instance A's segments holding another model's state: not adoptable.
     TrainingState::Options so;
@@ -1079,7 +1089,8 @@ TEST_F(CheckpointTest, ManifestMismatchNamesBothHashesAndTheTensor) {
   other.mutable_layers(1)->mutable_tensors(0)->set_shape(1, 4);
   absl::Status s = CheckCheckpointManifest(*info, other);
   EXPECT_TRUE(absl::IsFailedPrecondition(s)) << s;
-  EXPECT_NE(s.message().find(model::ManifestHashHex(model::ManifestHash(other))), std::string::npos) << s;
+  EXPECT_NE(s.message().find(model::ManifestHashHex(model::ManifestHash(other))), std::string::npos)
+      << s;
   EXPECT_NE(s.message().find(info->manifest_hash), std::string::npos) << s;
   EXPECT_NE(s.message().find("block1.proj.weight"), std::string::npos) << s;
   EXPECT_TRUE(CheckCheckpointManifest(*info, state->model().manifest).ok());

@@ -211,7 +211,8 @@ class Engine {
   // `resume`: restore this checkpoint into the new state (its step becomes the job's).
   absl::Status CreateJobUnlocked(slidedp::v1::JobSpec spec, model::LoadedModel model,
                                  const std::string& model_dir,
-                                 const model::CheckpointInfo* resume = nullptr) ABSL_LOCKS_EXCLUDED(mu_);
+                                 const model::CheckpointInfo* resume = nullptr)
+      ABSL_LOCKS_EXCLUDED(mu_);
   // Records the creation's progress; false once hostd stops serving (the creation gives up).
   bool NoteCreation(const char* phase, uint64_t done, uint64_t total, const char* unit)
       ABSL_LOCKS_EXCLUDED(mu_);

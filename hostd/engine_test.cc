@@ -28,10 +28,10 @@
 #include "common/shm_segment.h"
 #include "common/version.h"
 #include "gtest/gtest.h"
-#include "model/checkpoint_format.h"
 #include "hostd/service.h"
 #include "hostd/test_util.h"
 #include "kernels/cpu/bf16.h"
+#include "model/checkpoint_format.h"
 #include "rankclient/rank_client.h"
 #include "slidedp/v1/control.grpc.pb.h"
 
@@ -890,8 +890,9 @@ TEST_F(EngineTest, CheckpointAwaitsTheClientLayersUploadedByRankZero) {
     if (committed == 0) std::this_thread::sleep_for(std::chrono::milliseconds(10));
   }
   ASSERT_EQ(committed, 1u);
-  ASSERT_TRUE(std::filesystem::exists(
-      dir_ / "ck" / model::CheckpointDirName(1, {config_.instance, "default"}) / model::kCheckpointMarker));
+  ASSERT_TRUE(std::filesystem::exists(dir_ / "ck" /
+                                      model::CheckpointDirName(1, {config_.instance, "default"}) /
+                                      model::kCheckpointMarker));
   for (uint32_t layer : {0u, last}) {
     const std::vector<float> m = pattern(layer, 0), v = pattern(layer, 2);
     EXPECT_EQ(std::memcmp(s->master(layer), m.data(), m.size() * 4), 0) << layer;
@@ -937,8 +938,8 @@ TEST_F(EngineTest, CheckpointAwaitsTheClientLayersUploadedByRankZero) {
         std::string::npos)
         << st.error_message();
   }
-  EXPECT_FALSE(
-      std::filesystem::exists(dir_ / "ck" / model::CheckpointDirName(2, {config_.instance, "default"})));
+  EXPECT_FALSE(std::filesystem::exists(dir_ / "ck" /
+                                       model::CheckpointDirName(2, {config_.instance, "default"})));
   // The failed checkpoint's request is withdrawn: between steps, rank 0 may upload version 2.
   std::vector<float> v0 = pattern(0, 0);
   EXPECT_TRUE(upload(2, 0, 0, 0, v0, tok, &ur).ok());
@@ -1767,8 +1768,8 @@ TEST_P(OverlapTest, StopCancelsACheckpointOfAQueuedStepThatNeverRan) {
   absl::StatusOr<model::CheckpointInfo> info = FindLatestCheckpoint((run->dir / "ck").string());
   ASSERT_TRUE(info.ok()) << info.status();
   EXPECT_EQ(info->step, 1u);  // the final checkpoint (step 1 aborted: its layers are at 1)
-  EXPECT_FALSE(std::filesystem::exists(run->dir / "ck" /
-                                       model::CheckpointDirName(2, {e.config().instance, "default"})));
+  EXPECT_FALSE(std::filesystem::exists(
+      run->dir / "ck" / model::CheckpointDirName(2, {e.config().instance, "default"})));
 }
 
 TEST_P(OverlapTest, AbortWithAQueuedStepDropsItAndItsRankBeginsItAgain) {

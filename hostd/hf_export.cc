@@ -22,8 +22,8 @@
 #include "common/status_macros.h"
 #include "common/thread_pool.h"
 #include "common/version.h"
-#include "model/manifest.h"
 #include "hostd/state.h"
+#include "model/manifest.h"
 #include "nlohmann/json.hpp"
 
 namespace slidedp::hostd {
@@ -373,10 +373,11 @@ absl::StatusOr<std::string> ExportConfigJson(std::string_view config_json,
   auto described = model::ManifestFromHfConfig(config_json, "config_json");
   if (!described.ok()) return described.status();
   if (model::ManifestHash(described->manifest) != model::ManifestHash(manifest)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "config_json: describes a model with manifest hash ",
-        model::ManifestHashHex(model::ManifestHash(described->manifest)), " but the job's is ",
-        model::ManifestHashHex(model::ManifestHash(manifest)), "; pass the config of the job's model"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("config_json: describes a model with manifest hash ",
+                     model::ManifestHashHex(model::ManifestHash(described->manifest)),
+                     " but the job's is ", model::ManifestHashHex(model::ManifestHash(manifest)),
+                     "; pass the config of the job's model"));
   }
   ordered_json config = ordered_json::parse(config_json.begin(), config_json.end());
   config["torch_dtype"] = TorchName(dtype);

@@ -14,12 +14,12 @@
 #include "absl/strings/str_format.h"
 #include "common/thread_pool.h"
 #include "gtest/gtest.h"
-#include "model/checkpoint_format.h"
 #include "hostd/engine.h"
-#include "model/safetensors.h"
 #include "hostd/state.h"
 #include "hostd/test_util.h"
 #include "kernels/cpu/bf16.h"
+#include "model/checkpoint_format.h"
+#include "model/safetensors.h"
 #include "nlohmann/json.hpp"
 
 namespace slidedp::hostd {
@@ -520,9 +520,9 @@ TEST(HfExportEngineTest, WaitsForTheStepBoundaryAndValidatesInput) {
   EXPECT_EQ(marker.at("version"), 1);
   EXPECT_EQ(r->dtype(), slidedp::v1::DTYPE_BF16);
   for (uint32_t l = 0; l < n; ++l) EXPECT_EQ(s->committed_version(l), 1u);
-  CheckTensors(*s, tmp.path + "/out", model::SafetensorsDtype::kBF16, [&](uint32_t l, uint64_t off) {
-    return static_cast<const void*>(s->params(l) + off);
-  });
+  CheckTensors(
+      *s, tmp.path + "/out", model::SafetensorsDtype::kBF16,
+      [&](uint32_t l, uint64_t off) { return static_cast<const void*>(s->params(l) + off); });
   // A second export into the same, now non-empty, directory is refused unless overwrite.
   auto again = engine->ExportHF(req);
   EXPECT_EQ(again.status().code(), absl::StatusCode::kAlreadyExists) << again.status();
@@ -589,7 +589,8 @@ TEST(EngineOutputDirTest, RequestedDirsMustBeAbsoluteAndUnderTheRoots) {
   EXPECT_FALSE(fs::exists(tmp.path + "/outside/step-0"));
   auto in_ckpt = checkpoint(ckpt + "/extra");
   ASSERT_TRUE(in_ckpt.ok()) << in_ckpt.status();
-  EXPECT_EQ(in_ckpt->path(), ckpt + "/extra/" + model::CheckpointDirName(0, {config.instance, "default"}));
+  EXPECT_EQ(in_ckpt->path(),
+            ckpt + "/extra/" + model::CheckpointDirName(0, {config.instance, "default"}));
   slidedp::v1::ExportHFRequest ex;
   ex.set_out_dir(root + "/export");
   expect_refused(engine->ExportHF(ex).status(), absl::StatusCode::kPermissionDenied,
@@ -609,7 +610,8 @@ TEST(EngineOutputDirTest, RequestedDirsMustBeAbsoluteAndUnderTheRoots) {
   engine = std::move(*created);
   auto in_root = checkpoint(root + "/c");
   ASSERT_TRUE(in_root.ok()) << in_root.status();
-  EXPECT_EQ(in_root->path(), root + "/c/" + model::CheckpointDirName(0, {config.instance, "default"}));
+  EXPECT_EQ(in_root->path(),
+            root + "/c/" + model::CheckpointDirName(0, {config.instance, "default"}));
   expect_refused(checkpoint(root + "/link/c").status(), absl::StatusCode::kPermissionDenied,
                  {"(resolved: '" + tmp.path + "/outside/c')", "(" + root + ")"});
   ex.set_out_dir(root + "/export");

@@ -111,7 +111,8 @@ TEST(JobSpecTest, EveryPathRefusesTheSameValuesWithTheSameMessage) {
     ASSERT_EQ(config_msg.rfind(prefix, 0), 0u) << config_msg;
     const std::string what = config_msg.substr(prefix.size());
 
-    absl::StatusOr<v1::JobSpec> by_rpc = model::NormalizeJobSpec(SpecOf(cfg), model::DefaultRoutes());
+    absl::StatusOr<v1::JobSpec> by_rpc =
+        model::NormalizeJobSpec(SpecOf(cfg), model::DefaultRoutes());
     ASSERT_FALSE(by_rpc.ok()) << "CreateJob accepted what the config refuses: " << config_msg;
     EXPECT_EQ(by_rpc.status().code(), absl::StatusCode::kInvalidArgument);
     EXPECT_EQ(std::string(by_rpc.status().message()), c.path + ": " + what);

@@ -50,10 +50,10 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
-#include "model/job_spec.h"  // NormalizeOptimizerConfig
-#include "model/lr_schedule.h"
 #include "hostd/state.h"
 #include "kernels/cpu/adamw.h"
+#include "model/job_spec.h"  // NormalizeOptimizerConfig
+#include "model/lr_schedule.h"
 #include "slidedp/v1/control.pb.h"
 
 namespace slidedp {

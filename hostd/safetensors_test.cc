@@ -376,7 +376,8 @@ TEST(SafetensorsTest, EdgeCasesThatAreValid) {
 
 TEST(SafetensorsTest, NotARegularFileOrMissing) {
   TempDir tmp;
-  EXPECT_EQ(model::SafetensorsFile::Open(tmp.path()).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(model::SafetensorsFile::Open(tmp.path()).status().code(),
+            absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(model::SafetensorsFile::Open(tmp.path() + "/nope.safetensors").status().code(),
             absl::StatusCode::kNotFound);
   const std::string fifo = absl::StrCat(tmp.path(), "/fifo.safetensors");

@@ -9,9 +9,9 @@
 #include <string>
 
 #include "absl/strings/str_cat.h"
+#include "kernels/cpu/grad_clip.h"
 #include "model/lr_schedule.h"
 #include "model/manifest.h"
-#include "kernels/cpu/grad_clip.h"
 #include "nlohmann/json.hpp"
 #include "rankclient/rank_client.h"
 #ifdef SLIDEDP_RANK_WITH_GPU

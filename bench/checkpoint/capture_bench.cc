@@ -33,10 +33,10 @@
 #include "bench/adam/json_writer.h"
 #include "common/thread_pool.h"
 #include "hostd/checkpoint.h"
-#include "model/manifest.h"
 #include "hostd/optimizer.h"
 #include "hostd/state.h"
 #include "kernels/cpu/adamw.h"
+#include "model/manifest.h"
 #include "spdlog/spdlog.h"
 
 namespace slidedp::hostd {

@@ -30,8 +30,8 @@
 
 #include "absl/status/status.h"
 #include "examples/native_trainer/mlp_task.h"
-#include "model/manifest.h"
 #include "kernels/cpu/bf16.h"
+#include "model/manifest.h"
 
 namespace slidedp::examples {
 namespace {

@@ -35,8 +35,8 @@
 #include "examples/native_trainer/gpu_mlp.h"
 #include "examples/native_trainer/mlp_flags.h"
 #include "examples/native_trainer/mlp_task.h"
-#include "model/manifest.h"
 #include "kernels/cuda/cuda_status.h"
+#include "model/manifest.h"
 #include "rankclient/gpu_plane.h"
 #include "rankclient/rank_client.h"
 

@@ -6,8 +6,8 @@
 #include <cstdlib>
 
 #include "absl/strings/str_cat.h"
-#include "model/manifest.h"
 #include "kernels/cpu/bf16.h"
+#include "model/manifest.h"
 
 namespace slidedp::examples {
 namespace v1 = slidedp::v1;

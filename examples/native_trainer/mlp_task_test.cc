@@ -6,8 +6,8 @@
 #include <cstring>
 #include <vector>
 
-#include "model/manifest.h"
 #include "kernels/cpu/bf16.h"
+#include "model/manifest.h"
 
 namespace slidedp::examples {
 namespace {
