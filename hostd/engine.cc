@@ -1,9 +1,6 @@
 #include "hostd/engine.h"
 
-#include <linux/futex.h>
 #include <signal.h>
-#include <sys/syscall.h>
-#include <time.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -19,13 +16,16 @@
 #include "absl/strings/string_view.h"
 #include "common/status_macros.h"
 #include "common/version.h"
+#include "hostd/engine_report.h"
 #include "hostd/hf_export.h"
 #include "hostd/hf_import.h"
+#include "hostd/job_setup.h"
 #include "hostd/output_roots.h"
 #include "hostd/recovery.h"
 #include "model/lr_schedule.h"
 #include "model/manifest.h"
 #include "model/safetensors.h"
+#include "proto/doorbell.h"
 #include "spdlog/spdlog.h"
 
 namespace slidedp::hostd {
@@ -52,11 +52,6 @@ bool AllLayersAt(const TrainingState& state, uint64_t step,
     if (state.committed_version(l) < step) return false;
   }
   return true;
-}
-
-std::string LayerList(const std::vector<uint32_t>& layers) {
-  return layers.empty() ? std::string("[] (none)")
-                        : absl::StrCat("[", absl::StrJoin(layers, ", "), "]");
 }
 
 uint64_t MonotonicNs() {
@@ -227,7 +222,7 @@ absl::Status Engine::Shutdown(bool remove_state) {
       if (state_) {
         shm::Atomic(state_->control().shutting_down).store(1, std::memory_order_release);
         shm::Atomic(state_->control().wake_seq).fetch_add(1);
-        FutexWakeAll(&state_->control().wake_seq);
+        shm::Doorbell(&state_->control().wake_seq).WakeAll();
       }
     }
     monitor_stop_ = true;
@@ -355,67 +350,35 @@ model::CheckpointInfo Engine::CheckpointDescriptionLocked() const {
 
 absl::Status Engine::CheckCheckpointableLocked(uint64_t version) const {
   RETURN_IF_ERROR(CheckNotTornLocked());
-  if (!client_layers_.empty() && client_copy_version_ != version) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("the ranks update layers ", LayerList(client_layers_),
-                     " themselves (client_updated_layers) and hostd's copy of them is ",
-                     client_copy_version_ ? absl::StrCat("at version ", *client_copy_version_)
-                                          : std::string("of an unknown version"),
-                     ", not ", version,
-                     "; rank 0 uploads them when a checkpoint asks and when it closes "
-                     "(python_client: opt.close())"));
-  }
-  return absl::OkStatus();
+  return client_.CheckCheckpointable(version);
 }
 
 bool Engine::ClientCopyCurrentLocked() const {
-  if (client_layers_.empty()) return true;
-  return seq_.running_step() == 0 && client_copy_version_ &&
-         *client_copy_version_ + 1 == seq_.next_step();
+  return client_.CopyCurrent(seq_.running_step(), seq_.next_step() - 1);
 }
 
 void Engine::RequestClientSyncLocked(uint64_t step) {
-  client_sync_step_ = step;
+  client_.SetSyncStep(step);
   if (state_) {
     shm::Atomic(state_->control().client_sync_step).store(step, std::memory_order_release);
   }
   if (step != 0) {
     spdlog::info("asking rank 0 for its state of layers {} at version {}",
-                 LayerList(client_layers_), step);
+                 LayerList(client_.layers()), step);
   }
 }
 
 void Engine::ReconcileClientSyncLocked() {
   // A request outlives no checkpoint: one that committed or failed (e.g. timed out) withdraws it.
-  if (client_sync_step_ != 0 && checkpointer_->in_flight_step() != client_sync_step_) {
-    RequestClientSyncLocked(0);
-  }
+  if (client_.ShouldWithdraw(checkpointer_->in_flight_step())) RequestClientSyncLocked(0);
 }
 
 absl::Status Engine::StartCheckpointLocked(const std::string& dir, uint64_t step) {
   RETURN_IF_ERROR(CheckNotTornLocked());
   ReconcileClientSyncLocked();
-  std::vector<uint32_t> awaiting;
-  if (!client_layers_.empty() && client_copy_version_ != step) awaiting = client_layers_;
+  const std::vector<uint32_t> awaiting = client_.AwaitedBy(step);
   RETURN_IF_ERROR(checkpointer_->Start(dir, step, CheckpointDescriptionLocked(), awaiting));
   if (!awaiting.empty()) RequestClientSyncLocked(step);
-  return absl::OkStatus();
-}
-
-absl::Status Engine::CheckClientLayerPartLocked(uint32_t layer, uint32_t part) const {
-  if (layer >= state_->num_layers()) {
-    return absl::OutOfRangeError(
-        absl::StrCat("layer: ", layer, " does not exist; expected 0..", state_->num_layers() - 1));
-  }
-  if (layer >= client_updated_.size() || !client_updated_[layer]) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "layer: ", layer, " is not updated by the ranks; the client-updated layers are ",
-        LayerList(client_layers_)));
-  }
-  if (part > 2) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("part: expected 0 (master), 1 (m) or 2 (v), got ", part));
-  }
   return absl::OkStatus();
 }
 
@@ -430,7 +393,7 @@ absl::StatusOr<slidedp::v1::UploadClientLayerResponse> Engine::UploadClientLayer
         "got rank ",
         r.rank()));
   }
-  RETURN_IF_ERROR(CheckClientLayerPartLocked(r.layer(), r.part()));
+  RETURN_IF_ERROR(client_.CheckPart(r.layer(), r.part()));
   ReconcileClientSyncLocked();
   if (r.data().size() % sizeof(float) != 0 || r.data().empty() ||
       r.data().size() > kClientLayerChunkElements * sizeof(float)) {
@@ -439,33 +402,13 @@ absl::StatusOr<slidedp::v1::UploadClientLayerResponse> Engine::UploadClientLayer
                                                    r.data().size(), " bytes"));
   }
   const uint64_t count = r.data().size() / sizeof(float);
-  const uint64_t numel = state_->layers()[r.layer()].numel;
-  if (r.offset() > numel || count > numel - r.offset()) {
-    return absl::OutOfRangeError(absl::StrCat("offset: ", r.offset(), " + ", count,
-                                              " elements pass the end of layer ", r.layer(), " (",
-                                              numel, " elements)"));
-  }
+  RETURN_IF_ERROR(client_.CheckRange(r.layer(), r.offset(), count));
   // Which version is accepted: the one a checkpoint asked for, else (between steps, no export,
   // no checkpoint writing) the last completed step.
   for (;;) {
-    if (client_sync_step_ != 0) {
-      if (r.step() != client_sync_step_) {
-        return absl::FailedPreconditionError(absl::StrCat("step: a checkpoint asks for version ",
-                                                          client_sync_step_, ", got ", r.step()));
-      }
-      break;
-    }
-    if (seq_.running_step() != 0 || r.step() + 1 != seq_.next_step() || export_active_) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "step: hostd accepts an unasked upload only between steps, of the last completed step (",
-          seq_.next_step() - 1, "), with no export running; got version ", r.step(),
-          seq_.running_step() != 0 ? absl::StrCat(" while step ", seq_.running_step(), " runs")
-                                   : ""));
-    }
-    if (client_copy_version_ == r.step() && client_upload_step_ != r.step()) {
-      return absl::AlreadyExistsError(absl::StrCat(
-          "hostd's copy of the client-updated layers is at version ", r.step(), " already"));
-    }
+    RETURN_IF_ERROR(client_.CheckUploadVersion(r.step(), seq_.running_step(), seq_.next_step(),
+                                               export_active_));
+    if (client_.sync_step() != 0) break;
     const uint64_t in_flight = checkpointer_->in_flight_step();
     if (in_flight == 0) break;
     // A checkpoint may still read the layers from the live state: let it finish first (at
@@ -476,35 +419,13 @@ absl::StatusOr<slidedp::v1::UploadClientLayerResponse> Engine::UploadClientLayer
     mu_.Lock();
     RETURN_IF_ERROR(CheckJob(r.job_id()));
   }
-  if (client_piece_copying_) {
-    return absl::FailedPreconditionError(
-        "UploadClientLayer: another piece is being written; rank 0 sends one piece at a time");
-  }
-  if (client_upload_step_ != r.step()) {
-    client_upload_step_ = r.step();
-    client_received_.assign(state_->num_layers(), {0, 0, 0});
-  }
-  const bool layer_was_complete = client_received_[r.layer()][0] == numel &&
-                                  client_received_[r.layer()][1] == numel &&
-                                  client_received_[r.layer()][2] == numel;
-  if (layer_was_complete) {
-    return absl::AlreadyExistsError(
-        absl::StrCat("layer ", r.layer(), " of version ", r.step(), " is uploaded already"));
-  }
-  if (r.offset() != 0 && r.offset() != client_received_[r.layer()][r.part()]) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("offset: expected ", client_received_[r.layer()][r.part()],
-                     " (or 0 to restart the part): the pieces of a part come "
-                     "in order; got ",
-                     r.offset()));
-  }
+  RETURN_IF_ERROR(client_.BeginPiece(r.layer(), r.part(), r.offset(), r.step()));
   // The copy (16 MiB, and the BF16 cast of a master piece) runs outside mu_: the update
   // worker's OnLayerDone and SubmitGradient take mu_, and a checkpoint's upload of the resident
   // layers (GiBs) under it delayed every update of the steps it overlapped. The layer is
   // updated by the ranks, so no update touches it, and nothing reads it before it is complete
   // (the checkpoint waits for ClientLayerReady; export and ReadClientLayer want a current copy,
-  // which an upload in progress is not).
-  client_piece_copying_ = true;
+  // which an upload in progress is not). BeginPiece lets no other piece in meanwhile.
   float* dst = r.part() == 0   ? state_->master(r.layer())
                : r.part() == 1 ? state_->exp_avg(r.layer())
                                : state_->exp_avg_sq(r.layer());
@@ -514,29 +435,17 @@ absl::StatusOr<slidedp::v1::UploadClientLayerResponse> Engine::UploadClientLayer
     kernels::CastFp32ToBf16(isa_, dst + r.offset(), state_->params(r.layer()) + r.offset(), count);
   }
   mu_.Lock();
-  // Only this handler changes client_upload_step_ and client_received_, and no other piece got
-  // past the check above meanwhile.
-  client_piece_copying_ = false;
-  uint64_t& received = client_received_[r.layer()][r.part()];
-  received = r.offset() + count;
+  const ClientLayerSync::PieceDone done = client_.EndPiece(r.layer(), r.part(), r.offset(), count);
   slidedp::v1::UploadClientLayerResponse resp;
-  const auto& rec = client_received_[r.layer()];
-  if (rec[0] == numel && rec[1] == numel && rec[2] == numel) {
+  if (done.layer_complete) {
     resp.set_layer_complete(true);
     checkpointer_->ClientLayerReady(r.layer(), r.step());
-    bool all = true;
-    for (uint32_t l : client_layers_) {
-      const uint64_t n = state_->layers()[l].numel;
-      all = all && client_received_[l][0] == n && client_received_[l][1] == n &&
-            client_received_[l][2] == n;
-    }
-    if (all) {
-      resp.set_all_complete(true);
-      client_copy_version_ = r.step();
-      if (client_sync_step_ == r.step()) RequestClientSyncLocked(0);
-      spdlog::info("hostd's copy of layers {} is at version {} (uploaded by rank 0)",
-                   LayerList(client_layers_), r.step());
-    }
+  }
+  if (done.all_complete) {
+    resp.set_all_complete(true);
+    if (client_.sync_step() == r.step()) RequestClientSyncLocked(0);
+    spdlog::info("hostd's copy of layers {} is at version {} (uploaded by rank 0)",
+                 LayerList(client_.layers()), r.step());
   }
   return resp;
 }
@@ -546,27 +455,13 @@ absl::StatusOr<slidedp::v1::ReadClientLayerResponse> Engine::ReadClientLayer(
   absl::MutexLock lock(&mu_);
   RETURN_IF_ERROR(CheckJob(r.job_id()));
   RETURN_IF_ERROR(ranks_.CheckToken(r.rank(), r.attach_token()));
-  RETURN_IF_ERROR(CheckClientLayerPartLocked(r.layer(), r.part()));
-  const uint64_t numel = state_->layers()[r.layer()].numel;
+  RETURN_IF_ERROR(client_.CheckPart(r.layer(), r.part()));
   if (r.count() == 0 || r.count() > kClientLayerChunkElements) {
     return absl::InvalidArgumentError(
         absl::StrCat("count: expected 1..", kClientLayerChunkElements, ", got ", r.count()));
   }
-  if (r.offset() > numel || r.count() > numel - r.offset()) {
-    return absl::OutOfRangeError(absl::StrCat("offset: ", r.offset(), " + ", r.count(),
-                                              " elements pass the end of layer ", r.layer(), " (",
-                                              numel, " elements)"));
-  }
-  if (!ClientCopyCurrentLocked()) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "hostd's copy of layer ", r.layer(), " is ",
-        client_copy_version_ ? absl::StrCat("at version ", *client_copy_version_)
-                             : std::string("of an unknown version"),
-        " but the job is at step ", seq_.next_step() - 1,
-        seq_.running_step() != 0 ? absl::StrCat(" (step ", seq_.running_step(), " running)") : "",
-        ": the ranks' state of it is newer; restart hostd from a checkpoint (--resume) to "
-        "continue"));
-  }
+  RETURN_IF_ERROR(client_.CheckRange(r.layer(), r.offset(), r.count()));
+  RETURN_IF_ERROR(client_.CheckReadable(r.layer(), seq_.running_step(), seq_.next_step() - 1));
   const float* src = r.part() == 0   ? state_->master(r.layer())
                      : r.part() == 1 ? state_->exp_avg(r.layer())
                                      : state_->exp_avg_sq(r.layer());
@@ -702,18 +597,8 @@ bool Engine::NoteCreation(const char* phase, uint64_t done, uint64_t total, cons
 }
 
 std::string Engine::CreationLineLocked() const {
-  const double elapsed =
-      std::chrono::duration<double>(SteadyClock::now() - creation_started_).count();
-  std::string progress;
-  if (creating_->total() > 0) {
-    progress =
-        creating_->unit() == "bytes"
-            ? absl::StrFormat(" %.1f/%.1f GiB", creating_->done() / 1073741824.0,
-                              creating_->total() / 1073741824.0)
-            : absl::StrCat(" ", creating_->done(), "/", creating_->total(), " ", creating_->unit());
-  }
-  return absl::StrFormat("creating job '%s': %s%s (%.0f s)", creating_->job_id(),
-                         creating_->phase(), progress, elapsed);
+  return RenderCreationLine(
+      *creating_, std::chrono::duration<double>(SteadyClock::now() - creation_started_).count());
 }
 
 absl::Status Engine::CreateJobUnlocked(slidedp::v1::JobSpec spec, model::LoadedModel model,
@@ -724,146 +609,47 @@ absl::Status Engine::CreateJobUnlocked(slidedp::v1::JobSpec spec, model::LoadedM
     absl::MutexLock lock(&mu_);
     creating_.reset();
   };
-  ASSIGN_OR_RETURN(spec, model::NormalizeJobSpec(std::move(spec), config_.routes));
-  const slidedp::v1::Routes* routes = &spec.routes();
-  TrainingState::Options so;
-  so.instance = config_.instance;
-  so.model = std::move(model);
-  so.model.manifest.set_manifest_hash(
-      model::ManifestHashHex(model::ManifestHash(so.model.manifest)));
-  so.world_size = spec.world_size();
-  so.numa_node = topology_.nodes.size() > 1 || config_.numa_node >= 0 ? state_node_ : -1;
-  so.mode = instance_lock_->mode();
-  so.group = instance_lock_->group();
-  so.mlock = config_.mlock == "off"           ? MlockPolicy::kOff
+  JobSetupOptions jo;
+  jo.instance = config_.instance;
+  jo.default_routes = config_.routes;
+  jo.numa_node = topology_.nodes.size() > 1 || config_.numa_node >= 0 ? state_node_ : -1;
+  jo.mode = instance_lock_->mode();
+  jo.group = instance_lock_->group();
+  jo.mlock = config_.mlock == "off"           ? MlockPolicy::kOff
              : config_.mlock == "best_effort" ? MlockPolicy::kBestEffort
                                               : MlockPolicy::kRequired;
-  so.seed = spec.seed();
-  so.progress = [this](const char* phase, uint64_t done, uint64_t total, const char* unit) {
+  jo.init = config_.init;
+  jo.on_inconsistent = config_.recovery_on_inconsistent;
+  jo.checkpoint_dir = config_.checkpoint.dir;
+  jo.grad_ring_slots = kGradRingSlots;
+  jo.progress = [this](const char* phase, uint64_t done, uint64_t total, const char* unit) {
     return NoteCreation(phase, done, total, unit);
   };
-  // A resumed job's weights come from the checkpoint: the cheapest init, then the restore.
-  const WeightsInit init = resume != nullptr ? WeightsInit{WeightsInit::Kind::kZeros, ""}
-                                             : ResolveWeightsInit(config_.init, model_dir);
-  so.zero_init = init.kind == WeightsInit::Kind::kZeros;
-  // The checkpoint is opened and matched to the manifest before any memory is committed, so a
-  // bad or mismatched checkpoint fails here, fast, with the tensor named.
-  std::unique_ptr<model::SafetensorsCheckpoint> checkpoint;
-  ImportPlan plan;
-  if (init.kind == WeightsInit::Kind::kSafetensors) {
-    const std::string context = absl::StrCat("init (", config_.init, ")");
-    auto opened = model::SafetensorsCheckpoint::Open(init.path);
-    if (!opened.ok()) return Annotate(opened.status(), context);
-    checkpoint = std::move(*opened);
-    auto planned = PlanImport(so.model.manifest, *checkpoint);
-    if (!planned.ok()) return Annotate(planned.status(), context);
-    plan = std::move(*planned);
-    so.import = &plan;
-    spdlog::info("importing weights from {} ({} file(s), {:.2f} GiB)", plan.checkpoint,
-                 plan.num_files, static_cast<double>(plan.bytes) / (1ull << 30));
-    if (!plan.ignored.empty()) {
-      constexpr size_t kNamed = 5;
-      std::vector<std::string> named(
-          plan.ignored.begin(), plan.ignored.begin() + static_cast<std::ptrdiff_t>(
-                                                           std::min(plan.ignored.size(), kNamed)));
-      spdlog::info("ignoring {} checkpoint tensor(s) the model does not use: {}{}",
-                   plan.ignored.size(), absl::StrJoin(named, ", "),
-                   plan.ignored.size() > kNamed ? ", ..." : "");
-    }
-  }
-  so.instance_nonce = std::random_device()() | (uint64_t{std::random_device()()} << 32);
-  so.chunk_bytes = routes->chunk_bytes();
-  so.grad_ring_slots = kGradRingSlots;
-  so.grad_dtype = static_cast<uint32_t>(spec.optimizer().grad_dtype());
-  so.grad_route = static_cast<uint32_t>(routes->grad_route());
-  // Segments left by an earlier hostd of this instance (dead: we hold the instance lock):
-  // re-adopted when consistent, else handled by recovery_on_inconsistent (hostd/recovery.h).
-  ASSIGN_OR_RETURN(const OnInconsistent policy,
-                   ParseOnInconsistent(config_.recovery_on_inconsistent));
-  // Inconsistent state: the newest committed checkpoint of checkpoint.dir of this instance and
-  // job, if any (never another's that shares the directory).
-  auto find_checkpoint = [this, &spec]() -> std::optional<std::string> {
-    if (config_.checkpoint.dir.empty()) return std::nullopt;
-    absl::StatusOr<model::CheckpointInfo> found =
-        FindLatestCheckpoint(config_.checkpoint.dir, {config_.instance, spec.job_id()});
-    if (!found.ok()) return std::nullopt;
-    return found->path;
-  };
-  NoteCreation("recovering", 0, 0, "");
-  ASSIGN_OR_RETURN(Recovered recovered, RecoverInstance(so, policy, find_checkpoint));
-  std::optional<model::CheckpointInfo> recovery_checkpoint;
-  if (recovered.plan.action == RecoveryPlan::Action::kRestoreCheckpoint && resume == nullptr) {
-    absl::StatusOr<model::CheckpointInfo> info = FindLatestCheckpoint(recovered.plan.checkpoint);
-    if (!info.ok()) return Annotate(info.status(), "recovery");
-    RETURN_IF_ERROR(Annotate(CheckCheckpointManifest(*info, so.model.manifest), "recovery"));
-    spdlog::warn("the state left by a previous hostd could not be re-adopted ({}); restoring {}",
-                 recovered.plan.reason, info->path);
-    recovery_checkpoint = std::move(*info);
-    resume = &*recovery_checkpoint;
-  }
   // The long part (populating, initializing or importing, restoring: minutes for a large
   // model) runs without mu_: status queries, the watchdog's among them, answer meanwhile.
-  const auto t0 = SteadyClock::now();
-  std::unique_ptr<TrainingState> state;
-  uint64_t next_step = 1;
-  uint64_t steps_completed = 0;
-  uint64_t start_step = 0;
-  std::string resumed_from;
-  std::optional<uint64_t> client_copy_version = 0;
-  if (recovered.plan.action == RecoveryPlan::Action::kAdopt) {
-    state = std::move(recovered.state);
-    client_copy_version.reset();  // the client-updated layers' state lived in the ranks
-    next_step = recovered.plan.step + 1;
-    steps_completed = recovered.plan.step;
-    spdlog::info("re-adopted job {} at step {} (instance '{}'; the job continues at step {})",
-                 spec.job_id(), recovered.plan.step, config_.instance, next_step);
-  } else {
-    if (recovered.plan.action == RecoveryPlan::Action::kStartFresh) {
-      spdlog::warn(
-          "starting job {} fresh at step 0: the state left by a previous hostd could not be "
-          "re-adopted ({})",
-          spec.job_id(), recovered.plan.reason);
-    }
-    ASSIGN_OR_RETURN(state, TrainingState::Create(so, pool_.get()));
-  }
+  ShmJobStateStore store(pool_.get());
+  ASSIGN_OR_RETURN(PreparedJob prepared,
+                   SetUpJob(jo, std::move(spec), std::move(model), model_dir, resume, store));
+  spec = std::move(prepared.spec);
+  const slidedp::v1::Routes* routes = &spec.routes();
+  std::unique_ptr<TrainingState> state = std::move(prepared.state);
   spdlog::info(
       "job '{}': model {} ({}), {} layers, {} parameters, weights {}, {:.2f} GiB shared memory, "
       "created in {:.2f} s",
       spec.job_id(), state->model().manifest.name(), state->model().source, state->num_layers(),
       state->total_params(), state->weights_source(),
-      static_cast<double>(state->shm_bytes()) / (1ull << 30),
-      std::chrono::duration<double>(SteadyClock::now() - t0).count());
-  if (resume != nullptr) {
-    const auto r0 = SteadyClock::now();
-    const uint32_t layers = state->num_layers();
-    NoteCreation("restoring checkpoint", 0, layers, "layers");
-    absl::Status restored =
-        RestoreCheckpoint(*resume, state.get(), pool_.get(), [this, layers](uint32_t done) {
-          return NoteCreation("restoring checkpoint", done, layers, "layers");
-        });
-    if (!restored.ok()) {
-      // No job comes into existence: the half-restored state is removed.
-      state->set_remove_on_destroy(true);
-      return Annotate(restored, "resume");
-    }
-    next_step = resume->step + 1;
-    steps_completed = resume->step;
-    resumed_from = resume->path;
-    start_step = resume->step;
-    client_copy_version = resume->step;  // checkpoints hold every layer, the ranks' ones too
-    spdlog::info("resumed from checkpoint {} (step {}, {:.2f} GB) in {:.2f} s; next step {}",
-                 resume->path, resume->step, static_cast<double>(resume->total_bytes) / 1e9,
-                 std::chrono::duration<double>(SteadyClock::now() - r0).count(), next_step);
-  }
+      static_cast<double>(state->shm_bytes()) / (1ull << 30), prepared.create_seconds);
   NoteCreation("starting the update worker", 0, 0, "");
   absl::MutexLock lock(&mu_);
   // Installed even when hostd began stopping meanwhile: Shutdown then treats it like any job
   // (a re-adopted one's final checkpoint, a fresh one's segments removed).
   state_ = std::move(state);
-  seq_.Reset(next_step, steps_completed);
-  start_step_ = start_step;
-  resumed_from_ = resumed_from;
-  client_copy_version_ = client_copy_version;
+  seq_.Reset(prepared.next_step, prepared.steps_completed);
+  start_step_ = prepared.start_step;
+  resumed_from_ = prepared.resumed_from;
+  std::vector<uint64_t> layer_numel;
+  for (const auto& layer : state_->layers()) layer_numel.push_back(layer.numel);
+  client_.Reset(std::move(layer_numel), prepared.client_copy_version);
   *spec.mutable_manifest() = state_->model().manifest;
   UpdateWorker::Options wo;
   wo.isa = isa_;
@@ -1043,20 +829,9 @@ absl::StatusOr<slidedp::v1::AttachRankResponse> Engine::AttachRank(
                      " but the job's is ", have, "; the rank must build the same model as hostd"));
   }
   RETURN_IF_ERROR(ranks_.CheckAttachable(r.rank()));
-  std::vector<uint32_t> client_layers(r.client_updated_layers().begin(),
-                                      r.client_updated_layers().end());
-  std::sort(client_layers.begin(), client_layers.end());
-  for (size_t i = 0; i < client_layers.size(); ++i) {
-    if (client_layers[i] >= state_->num_layers()) {
-      return absl::OutOfRangeError(absl::StrCat("client_updated_layers: layer ", client_layers[i],
-                                                " does not exist; expected 0..",
-                                                state_->num_layers() - 1));
-    }
-    if (i > 0 && client_layers[i] == client_layers[i - 1]) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("client_updated_layers: layer ", client_layers[i], " is listed twice"));
-    }
-  }
+  ASSIGN_OR_RETURN(std::vector<uint32_t> client_layers,
+                   client_.NormalizeSet(std::vector<uint32_t>(r.client_updated_layers().begin(),
+                                                              r.client_updated_layers().end())));
   if (!client_layers.empty() && worker_->optimizer().clip() == slidedp::v1::CLIP_POLICY_GLOBAL) {
     return absl::FailedPreconditionError(absl::StrCat(
         "client_updated_layers: the job clips by the global norm (clip = global), which needs "
@@ -1065,44 +840,19 @@ absl::StatusOr<slidedp::v1::AttachRankResponse> Engine::AttachRank(
         " themselves and hostd never sees their gradients; use clip = per_layer or none, or "
         "let hostd update every layer (python_client: nondecoder=\"host\", resident_layers=0)"));
   }
-  const bool any_attached = ranks_.AnyAttached();
-  if (any_attached && client_layers != client_layers_) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("client_updated_layers: rank ", r.rank(), " sent ", LayerList(client_layers),
-                     " but the attached ranks update ", LayerList(client_layers_),
-                     " themselves; every rank of the job must send the same set"));
-  }
-  if (!any_attached && client_layers != client_layers_) {
-    if (seq_.running_step() != 0) {
-      return absl::FailedPreconditionError(
-          absl::StrCat("client_updated_layers: step ", seq_.running_step(),
-                       " is running; the set can change only between steps"));
-    }
-    if (!ClientCopyCurrentLocked()) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "client_updated_layers: the job's ranks updated layers ", LayerList(client_layers_),
-          " themselves in earlier steps and hostd's copy of them is ",
-          client_copy_version_ ? absl::StrCat("at version ", *client_copy_version_)
-                               : std::string("of an unknown version"),
-          ", not the job's step ", seq_.next_step() - 1,
-          "; attach with the same set (and the ranks' state of those layers), restart hostd "
-          "from a checkpoint (--resume), or start a new job"));
-    }
-    client_layers_ = client_layers;
-    // hostd updated the newly listed layers up to now (or its copy of them was current): its
-    // copy is the job's state at the last completed step, unless unknown (a re-adopted job).
-    if (client_copy_version_) client_copy_version_ = seq_.next_step() - 1;
-    client_updated_.assign(state_->num_layers(), false);
-    for (uint32_t l : client_layers_) client_updated_[l] = true;
-    if (!client_layers_.empty()) {
+  RETURN_IF_ERROR(client_.CheckChange(client_layers, r.rank(), ranks_.AnyAttached(),
+                                      seq_.running_step(), seq_.next_step() - 1));
+  if (client_layers != client_.layers()) {
+    client_.SetLayers(std::move(client_layers), seq_.next_step() - 1);
+    if (!client_.empty()) {
       spdlog::info("the ranks update layers {} themselves; hostd's copy of them is not updated",
-                   LayerList(client_layers_));
+                   LayerList(client_.layers()));
     }
     if (seq_.steps_completed() == 0 && seq_.next_step() == 1) {
       // A fresh job: the moments of layers hostd will not update are zeros and stay so; their
       // memory goes back to the system (the ranks hold those layers' moments).
       size_t released = 0;
-      for (uint32_t l : client_layers_) {
+      for (uint32_t l : client_.layers()) {
         absl::StatusOr<size_t> n = state_->ReleaseMoments(l);
         if (!n.ok()) {
           spdlog::warn("keeping the moments of layer {}: {}", l, n.status().ToString());
@@ -1126,7 +876,7 @@ absl::StatusOr<slidedp::v1::AttachRankResponse> Engine::AttachRank(
   slidedp::v1::AttachRankResponse resp;
   resp.set_attach_token(token);
   resp.set_next_step(seq_.next_step());
-  resp.set_client_layers_current(!client_layers_.empty() && ClientCopyCurrentLocked());
+  resp.set_client_layers_current(!client_.empty() && ClientCopyCurrentLocked());
   slidedp::v1::Layout* layout = resp.mutable_layout();
   layout->set_chunk_bytes(job_->routes().chunk_bytes());
   layout->set_manifest_hash(have);
@@ -1135,7 +885,7 @@ absl::StatusOr<slidedp::v1::AttachRankResponse> Engine::AttachRank(
   layout->set_grad_dtype(job_->optimizer().grad_dtype());
   layout->set_grad_route(job_->routes().grad_route());
   layout->set_grad_pushing_rank(kGradPushingRank);  // GPU reduction only; RS: every rank pushes
-  for (uint32_t l : client_layers_) layout->add_client_updated_layers(l);
+  for (uint32_t l : client_.layers()) layout->add_client_updated_layers(l);
   for (const auto& seg : state_->segments()) {
     if (seg.kind == shm::SegmentKind::kState) continue;  // hostd only
     auto* s = layout->add_segments();
@@ -1172,7 +922,7 @@ absl::Status Engine::DetachRank(const slidedp::v1::DetachRankRequest& r) {
   absl::MutexLock lock(&mu_);
   RETURN_IF_ERROR(CheckJob(r.job_id()));
   RETURN_IF_ERROR(ranks_.CheckToken(r.rank(), r.attach_token()));
-  if (seq_.running_step() != 0 && !AllLayersAt(*state_, seq_.running_step(), client_updated_)) {
+  if (seq_.running_step() != 0 && !AllLayersAt(*state_, seq_.running_step(), client_.updated())) {
     AbortStepLocked(seq_.running_step(), absl::StrCat("rank ", r.rank(), " detached"));
   } else if (seq_.queued_step() != 0) {
     DropQueuedStepLocked(absl::StrCat("rank ", r.rank(), " detached"));
@@ -1253,11 +1003,11 @@ void Engine::BumpAbortEpochLocked() {
   shm::ControlBlock& cb = state_->control();
   shm::Atomic(cb.abort_epoch).fetch_add(1, std::memory_order_acq_rel);
   shm::Atomic(cb.wake_seq).fetch_add(1, std::memory_order_acq_rel);
-  FutexWakeAll(&cb.wake_seq);
+  shm::Doorbell(&cb.wake_seq).WakeAll();
   // Ranks blocked on a version gate wake up and see the new abort_epoch.
   for (uint32_t l = 0; l < state_->num_layers(); ++l) {
     shm::Atomic(state_->layer_control(l).wake_seq).fetch_add(1, std::memory_order_acq_rel);
-    FutexWakeAll(&state_->layer_control(l).wake_seq);
+    shm::Doorbell(&state_->layer_control(l).wake_seq).WakeAll();
   }
 }
 
@@ -1359,7 +1109,7 @@ absl::Status Engine::AbortStep(const slidedp::v1::AbortStepRequest& r) {
   if (seq_.queued_step() != 0 && r.step() == seq_.queued_step()) {
     // The abort epoch is job-wide: bumped while the running step's gradients still arrive, it
     // would fail that step's pushes too.
-    if (!AllLayersAt(*state_, seq_.running_step(), client_updated_)) {
+    if (!AllLayersAt(*state_, seq_.running_step(), client_.updated())) {
       return absl::FailedPreconditionError(
           absl::StrCat("step: ", r.step(), " is queued behind step ", seq_.running_step(),
                        ", whose gradients are still arriving; abort step ", seq_.running_step(),
@@ -1384,7 +1134,7 @@ void Engine::OnLayerDone(const LayerUpdateResult& r) {
   absl::MutexLock lock(&mu_);
   if (r.layer < last_grad_norm_.size()) last_grad_norm_[r.layer] = r.grad_norm;
   if (r.step != seq_.running_step()) return;
-  if (r.layer < client_updated_.size() && client_updated_[r.layer]) {
+  if (client_.is_client(r.layer)) {
     spdlog::warn(
         "layer {} is updated by the ranks (client_updated_layers) but got a gradient in "
         "step {}; not counted",
@@ -1394,9 +1144,9 @@ void Engine::OnLayerDone(const LayerUpdateResult& r) {
   step_update_seconds_ += r.seconds;
   step_layers_.push_back(r);
   if (r.applied) param_bytes_published_ += state_->layers()[r.layer].param_bytes;
-  if (seq_.NoteLayerDone(static_cast<uint32_t>(state_->num_layers() - client_layers_.size()))) {
+  if (seq_.NoteLayerDone(static_cast<uint32_t>(state_->num_layers() - client_.layers().size()))) {
     const uint64_t step = seq_.Complete(SteadyClock::now());
-    for (uint32_t l : client_layers_) {
+    for (uint32_t l : client_.layers()) {
       if (state_->committed_version(l) < step) state_->PublishLayer(l, step);
     }
     if (!pool_prepare_asked_ && !config_.checkpoint.dir.empty() &&
@@ -1450,9 +1200,9 @@ absl::Status Engine::WaitLayerVersion(uint32_t layer, uint64_t version, millisec
     return absl::NotFoundError(absl::StrCat("layer: ", layer, " does not exist"));
   }
   const auto deadline = SteadyClock::now() + timeout;
-  shm::LayerControl& lc = state_->layer_control(layer);
+  const shm::Doorbell bell(&state_->layer_control(layer).wake_seq);
   for (;;) {
-    const uint32_t seq = shm::Atomic(lc.wake_seq).load(std::memory_order_acquire);
+    const uint32_t seen = bell.Load();
     if (state_->committed_version(layer) >= version) return absl::OkStatus();
     const auto now = SteadyClock::now();
     if (now >= deadline) {
@@ -1460,10 +1210,7 @@ absl::Status Engine::WaitLayerVersion(uint32_t layer, uint64_t version, millisec
                                                       version, " (at ",
                                                       state_->committed_version(layer), ")"));
     }
-    const auto left = std::chrono::duration_cast<std::chrono::nanoseconds>(deadline - now);
-    timespec ts{static_cast<time_t>(left.count() / 1000000000),
-                static_cast<long>(left.count() % 1000000000)};
-    syscall(SYS_futex, &lc.wake_seq, FUTEX_WAIT, seq, &ts, nullptr, 0);
+    bell.Wait(seen, deadline - now);
   }
 }
 
@@ -1519,18 +1266,18 @@ std::vector<slidedp::v1::LayerStatus> Engine::LayerStatuses() const {
   std::vector<slidedp::v1::LayerStatus> out;
   if (!state_) return out;
   for (const LayerInfo& info : state_->layers()) {
-    slidedp::v1::LayerStatus s;
-    s.set_layer(info.index);
-    s.set_name(info.name);
-    s.set_kind(static_cast<slidedp::v1::LayerKind>(info.kind));
-    s.set_numel(info.numel);
-    s.set_version(state_->committed_version(info.index));
-    s.set_state_bytes(3 * info.state_stride);
-    s.set_param_bytes(shm::AlignUp(info.param_bytes, shm::kPayloadAlign));
-    s.set_numa_node(state_->numa_node() >= 0 ? state_->numa_node() : state_node_);
-    s.set_skipped_steps(shm::Atomic(state_->layer_control(info.index).skipped_steps).load());
-    s.set_last_grad_norm(last_grad_norm_.empty() ? 0 : last_grad_norm_[info.index]);
-    out.push_back(std::move(s));
+    LayerSnapshot s;
+    s.index = info.index;
+    s.name = info.name;
+    s.kind = static_cast<uint32_t>(info.kind);
+    s.numel = info.numel;
+    s.version = state_->committed_version(info.index);
+    s.state_stride = info.state_stride;
+    s.param_bytes = info.param_bytes;
+    s.numa_node = state_->numa_node() >= 0 ? state_->numa_node() : state_node_;
+    s.skipped_steps = shm::Atomic(state_->layer_control(info.index).skipped_steps).load();
+    s.last_grad_norm = last_grad_norm_.empty() ? 0 : last_grad_norm_[info.index];
+    out.push_back(RenderLayer(s));
   }
   return out;
 }
@@ -1560,33 +1307,25 @@ absl::StatusOr<slidedp::v1::GetStatusResponse> Engine::GetStatus() {
         std::chrono::duration<double>(SteadyClock::now() - creation_started_).count());
   }
   if (!job_) return resp;
-  auto* js = resp.mutable_job();
-  js->set_job_id(job_->job_id());
-  js->set_model_name(state_->model().manifest.name());
-  js->set_family(state_->model().manifest.family());
-  js->set_world_size(job_->world_size());
-  js->set_step(seq_.steps_completed());
-  js->set_step_state(shm::ToString(seq_.state()));
-  js->set_total_params(state_->total_params());
-  js->set_manifest_hash(model::ManifestHashHex(state_->manifest_hash()));
-  *js->mutable_routes() = job_->routes();
-  *js->mutable_optimizer() = worker_->optimizer();
-  js->set_current_lr(model::LearningRate(worker_->optimizer(), seq_.next_step()));
-  js->set_weights_source(state_->weights_source());
-  for (uint32_t l : client_layers_) js->add_client_updated_layers(l);
-  if (!resumed_from_.empty()) {
-    js->set_resumed_from(resumed_from_);
-    js->set_weights_source("checkpoint " + resumed_from_);
-  }
-  js->set_checkpoint_dir(config_.checkpoint.dir);
-  const CheckpointResult last = checkpointer_->last_committed();
-  if (!last.path.empty()) {
-    js->set_last_checkpoint_step(last.step);
-    js->set_last_checkpoint_path(last.path);
-    js->set_last_checkpoint_age_s(
-        static_cast<double>(UnixMs() - checkpointer_->last_committed_unix_ms()) / 1000.0);
-  }
-  js->set_checkpoint_in_flight_step(checkpointer_->in_flight_step());
+  JobSnapshot job;
+  job.spec = *job_;
+  job.optimizer = worker_->optimizer();
+  job.model_name = state_->model().manifest.name();
+  job.family = state_->model().manifest.family();
+  job.steps_completed = seq_.steps_completed();
+  job.next_step = seq_.next_step();
+  job.step_state = seq_.state();
+  job.total_params = state_->total_params();
+  job.manifest_hash = model::ManifestHashHex(state_->manifest_hash());
+  job.weights_source = state_->weights_source();
+  job.resumed_from = resumed_from_;
+  job.client_updated_layers = client_.layers();
+  job.checkpoint_dir = config_.checkpoint.dir;
+  job.last_checkpoint = checkpointer_->last_committed();
+  job.last_checkpoint_unix_ms = checkpointer_->last_committed_unix_ms();
+  job.checkpoint_in_flight_step = checkpointer_->in_flight_step();
+  job.now_unix_ms = UnixMs();
+  *resp.mutable_job() = RenderJob(job);
   for (auto& l : LayerStatuses()) *resp.add_layers() = std::move(l);
   for (auto& r : ranks_.Statuses(SteadyClock::now())) *resp.add_ranks() = std::move(r);
   for (const auto& seg : state_->segments()) {
@@ -1610,15 +1349,22 @@ absl::StatusOr<std::string> Engine::StatusLine(absl::Duration max_wait) {
     }
     absl::SleepFor(absl::Milliseconds(5));
   }
-  std::string line;
-  if (!job_) {
-    line = creating_ ? CreationLineLocked() : std::string("serving, no job");
-  } else {
-    const uint32_t attached = ranks_.NumAttached();
-    line = absl::StrCat("job ", job_->job_id(), " (", state_->model().manifest.name(),
-                        "): ", seq_.steps_completed(), " steps, ", shm::ToString(seq_.state()),
-                        ", ", attached, "/", job_->world_size(), " ranks attached");
+  StatusLineSnapshot snap;
+  if (creating_) {
+    snap.creating = *creating_;
+    snap.creation_elapsed_s =
+        std::chrono::duration<double>(SteadyClock::now() - creation_started_).count();
   }
+  if (job_) {
+    snap.has_job = true;
+    snap.job_id = job_->job_id();
+    snap.model_name = state_->model().manifest.name();
+    snap.steps_completed = seq_.steps_completed();
+    snap.step_state = seq_.state();
+    snap.ranks_attached = ranks_.NumAttached();
+    snap.world_size = job_->world_size();
+  }
+  const std::string line = RenderStatusLine(snap);
   mu_.Unlock();
   return line;
 }
@@ -1656,76 +1402,31 @@ absl::StatusOr<slidedp::v1::GetStatsResponse> Engine::GetStats(
     const slidedp::v1::GetStatsRequest& r) {
   absl::MutexLock lock(&mu_);
   RETURN_IF_ERROR(CheckJob(r.job_id()));
-  const UpdateStats ws = worker_->stats();
-  slidedp::v1::GetStatsResponse resp;
-  resp.set_steps_completed(seq_.steps_completed());
-  resp.set_steps_aborted(seq_.steps_aborted());
-  resp.set_layer_updates(ws.layer_updates);
-  resp.set_layer_updates_skipped(ws.layer_updates_skipped);
-  resp.set_update_seconds_total(ws.update_seconds_total);
-  resp.set_last_step_update_seconds(last_step_update_seconds_);
-  resp.set_update_params_total(ws.params_updated);
-  if (last_step_update_seconds_ > 0) {
-    const double gps =
-        static_cast<double>(state_->total_params()) / last_step_update_seconds_ / 1e9;
-    resp.set_update_gparams_per_second(gps);
-    const double bytes_per_param =
-        job_->optimizer().grad_dtype() == slidedp::v1::DTYPE_FP32 ? 32.0 : 28.0;
-    resp.set_update_gbytes_per_second(gps * bytes_per_param);
-  }
-  resp.set_isa(std::string(kernels::IsaName(isa_)));
-  resp.set_update_threads(static_cast<int32_t>(worker_cpus_.size()));
-  resp.set_layer_updates_streamed(ws.layer_updates_streamed);
-  resp.set_layer_updates_buffered(ws.layer_updates_buffered);
-  resp.set_layers_torn(ws.layers_torn);
-  double first = 0, last = 0, idle = 0;
-  for (const LayerUpdateResult& l : last_step_layers_) {
-    slidedp::v1::LayerUpdateSpan* span = resp.add_last_step_layers();
-    span->set_layer(l.layer);
-    span->set_start_s(l.start_s);
-    span->set_end_s(l.end_s);
-    span->set_busy_seconds(l.seconds);
-    span->set_idle_before_seconds(l.idle_before_seconds);
-    if (first == 0 || l.start_s < first) first = l.start_s;
-    last = std::max(last, l.end_s);
-    idle += l.idle_before_seconds;
-  }
-  resp.set_last_step_span_seconds(last - first);
-  resp.set_last_step_idle_seconds(idle);
-  resp.set_last_step(seq_.last_completed_step());
-  resp.set_last_step_seconds(seq_.last_step_seconds());
-  resp.set_step_seconds_sum(seq_.step_seconds_sum());
-  for (double b : StepSequencer::kStepSecondsBounds) resp.add_step_seconds_bounds(b);
-  for (uint64_t n : seq_.step_seconds_buckets()) resp.add_step_seconds_buckets(n);
-  resp.set_grad_bytes_received(reducer_->stats().bytes_reduced);
-  resp.set_param_bytes_published(param_bytes_published_);
-  // The checkpointer's last commit (step 0 and age -1 before the first).
-  const int64_t committed_ms = checkpointer_->last_committed_unix_ms();
-  resp.set_checkpoint_last_step(committed_ms > 0 ? checkpointer_->last_committed().step : 0);
-  resp.set_checkpoint_age_seconds(
-      committed_ms > 0 ? static_cast<double>(UnixMs() - committed_ms) / 1000.0 : -1.0);
-  resp.set_exports_completed(exports_completed_);
-  resp.set_step_running(seq_.running_step());
-  const CheckpointStats cs = checkpointer_->stats();
-  resp.set_checkpoint_stall_seconds(cs.stall_seconds);
-  resp.set_checkpoint_snapshot_seconds(cs.snapshot_seconds);
-  resp.set_checkpoint_bytes_written(cs.bytes_written);
-  resp.set_checkpoints_committed(cs.checkpoints_committed);
-  resp.set_checkpoints_failed(cs.checkpoints_failed);
-  resp.set_last_checkpoint_seconds(cs.last_seconds);
-  resp.set_last_checkpoint_mb_per_s(cs.last_mb_per_s);
-  resp.set_checkpoint_layers_snapshotted(cs.layers_snapshotted);
-  resp.set_checkpoint_layers_written_live(cs.layers_written_live);
-  resp.set_checkpoint_pool_high_water_bytes(cs.pool_high_water_bytes);
-  resp.set_checkpoint_layers_copied_by_writer(cs.layers_copied_by_writer);
-  resp.set_checkpoint_pool_kept_bytes(cs.pool_kept_bytes);
-  resp.set_checkpoint_pool_prepared_bytes(cs.pool_prepared_bytes);
-  resp.set_checkpoint_pool_prepare_seconds(cs.pool_prepare_seconds);
-  resp.set_checkpoint_snapshot_alloc_failures(cs.snapshot_alloc_failures);
-  resp.set_checkpoint_snapshot_buffers_allocated(cs.snapshot_buffers_allocated);
-  resp.set_checkpoint_bytes_written_direct(cs.bytes_written_direct);
-  resp.set_checkpoint_paced_seconds(cs.paced_seconds);
-  return resp;
+  StatsSnapshot snap;
+  snap.worker = worker_->stats();
+  snap.checkpoint = checkpointer_->stats();
+  snap.steps_completed = seq_.steps_completed();
+  snap.steps_aborted = seq_.steps_aborted();
+  snap.step_running = seq_.running_step();
+  snap.last_step = seq_.last_completed_step();
+  snap.last_step_seconds = seq_.last_step_seconds();
+  snap.step_seconds_sum = seq_.step_seconds_sum();
+  snap.step_seconds_bounds.assign(StepSequencer::kStepSecondsBounds.begin(),
+                                  StepSequencer::kStepSecondsBounds.end());
+  for (uint64_t n : seq_.step_seconds_buckets()) snap.step_seconds_buckets.push_back(n);
+  snap.last_step_update_seconds = last_step_update_seconds_;
+  snap.last_step_layers = last_step_layers_;
+  snap.total_params = state_->total_params();
+  snap.fp32_grads = job_->optimizer().grad_dtype() == slidedp::v1::DTYPE_FP32;
+  snap.isa = std::string(kernels::IsaName(isa_));
+  snap.update_threads = static_cast<int32_t>(worker_cpus_.size());
+  snap.grad_bytes_received = reducer_->stats().bytes_reduced;
+  snap.param_bytes_published = param_bytes_published_;
+  snap.exports_completed = exports_completed_;
+  snap.last_checkpoint_step = checkpointer_->last_committed().step;
+  snap.last_checkpoint_unix_ms = checkpointer_->last_committed_unix_ms();
+  snap.now_unix_ms = UnixMs();
+  return RenderStats(snap);
 }
 
 slidedp::v1::GetConfigResponse Engine::GetConfig() const {
@@ -1746,10 +1447,10 @@ absl::StatusOr<slidedp::v1::UpdateHyperParamsResponse> Engine::UpdateHyperParams
   RETURN_IF_ERROR(CheckJob(r.job_id()));
   ASSIGN_OR_RETURN(const slidedp::v1::OptimizerConfig next,
                    model::ApplyHyperParams(worker_->optimizer(), r.optimizer(), r.fields()));
-  if (next.clip() == slidedp::v1::CLIP_POLICY_GLOBAL && !client_layers_.empty()) {
+  if (next.clip() == slidedp::v1::CLIP_POLICY_GLOBAL && !client_.empty()) {
     return absl::FailedPreconditionError(absl::StrCat(
         "clip: global needs every layer's gradient, but the ranks update layers ",
-        LayerList(client_layers_),
+        LayerList(client_.layers()),
         " themselves (client_updated_layers) and hostd never sees their gradients; keep "
         "per_layer or none for this job"));
   }
@@ -1789,7 +1490,7 @@ void Engine::SessionClosed(uint32_t rank, const std::string& token, absl::string
   if (!ranks_.IsAttachment(rank, token)) return;
   spdlog::warn("rank {} session closed: {}", rank, std::string(reason));
   if (seq_.running_step() != 0 && serving_ &&
-      !AllLayersAt(*state_, seq_.running_step(), client_updated_)) {
+      !AllLayersAt(*state_, seq_.running_step(), client_.updated())) {
     AbortStepLocked(seq_.running_step(), absl::StrCat("rank ", rank, " lost: ", reason));
   } else if (seq_.queued_step() != 0 && serving_) {
     DropQueuedStepLocked(absl::StrCat("rank ", rank, " lost: ", reason));
@@ -1860,15 +1561,13 @@ absl::StatusOr<slidedp::v1::ExportHFResponse> Engine::ExportHF(
     if (ready.ok()) ready = CheckNotTornLocked();
     if (ready.ok() && !ClientCopyCurrentLocked()) {
       std::vector<std::string> names;
-      for (uint32_t l : client_layers_) {
+      for (uint32_t l : client_.layers()) {
         names.push_back(absl::StrCat(l, " '", state_->layers()[l].name, "'"));
       }
       ready = absl::FailedPreconditionError(absl::StrCat(
           "layers ", absl::StrJoin(names, ", "),
           " are updated by the ranks (client_updated_layers) and hostd's copy of them is ",
-          client_copy_version_ ? absl::StrCat("at version ", *client_copy_version_)
-                               : std::string("of an unknown version"),
-          ", not ", seq_.next_step() - 1,
+          client_.DescribeCopy(), ", not ", seq_.next_step() - 1,
           ", so an export would mix versions; it is current after rank 0 uploads it (python_client "
           "does when it closes) and in a job resumed from a checkpoint (hostd --resume DIR); or "
           "export from the training job (save_pretrained)"));

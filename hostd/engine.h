@@ -60,6 +60,7 @@
 #include "common/instance_files.h"
 #include "common/thread_pool.h"
 #include "hostd/checkpoint.h"
+#include "hostd/client_layer_sync.h"
 #include "hostd/config.h"
 #include "hostd/optimizer.h"
 #include "hostd/rank_table.h"
@@ -231,9 +232,6 @@ class Engine {
   bool ClientCopyCurrentLocked() const ABSL_SHARED_LOCKS_REQUIRED(mu_);
   // Asks rank 0 for the client-updated layers at `step` (0: withdraws the request).
   void RequestClientSyncLocked(uint64_t step) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // FAILED_PRECONDITION for a layer the ranks do not update, INVALID_ARGUMENT for a part > 2.
-  absl::Status CheckClientLayerPartLocked(uint32_t layer, uint32_t part) const
-      ABSL_SHARED_LOCKS_REQUIRED(mu_);
   // Withdraws the request once its checkpoint is no longer in flight (committed or failed).
   void ReconcileClientSyncLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Writes the final checkpoint of a clean stop (checkpoint.on_stop); the worker has stopped.
@@ -293,24 +291,11 @@ class Engine {
   RankTable ranks_ ABSL_GUARDED_BY(mu_);
   StepSequencer seq_ ABSL_GUARDED_BY(mu_);
   bool pool_prepare_asked_ ABSL_GUARDED_BY(mu_) = false;  // PreparePool asked (once)
-  // Layers the attached ranks update themselves (AttachRankRequest.client_updated_layers),
-  // ascending; `client_updated_[l]` per layer. Set by the rank that attaches when no other is
-  // attached; the others must send the same set. They never get a gradient: the step completes when
-  // the other layers are done, and they are published at the step's version then (state untouched).
-  std::vector<uint32_t> client_layers_ ABSL_GUARDED_BY(mu_);
-  std::vector<bool> client_updated_ ABSL_GUARDED_BY(mu_);
-  // hostd's copy of the client-updated layers is the job's state at this version (the job's
-  // start: fresh or resumed; or the last complete upload); nullopt: unknown (a re-adopted job).
-  // Once a step ran past it, the copy is stale and the set can no longer change (their state
-  // lives in the ranks): see ClientCopyCurrentLocked.
-  std::optional<uint64_t> client_copy_version_ ABSL_GUARDED_BY(mu_);
-  // The version rank 0 is asked to upload (0: none; mirrored in ControlBlock::client_sync_step).
-  uint64_t client_sync_step_ ABSL_GUARDED_BY(mu_) = 0;
-  // The upload in progress: its version and, per layer, elements received of master, m, v.
-  std::optional<uint64_t> client_upload_step_ ABSL_GUARDED_BY(mu_);  // nullopt: none yet
-  std::vector<std::array<uint64_t, 3>> client_received_ ABSL_GUARDED_BY(mu_);
-  // An UploadClientLayer piece is being copied into the state outside mu_ (one at a time).
-  bool client_piece_copying_ ABSL_GUARDED_BY(mu_) = false;
+  // The layers the ranks update themselves and hostd's copy of them (set by the rank that
+  // attaches when no other is attached; the others must send the same set). They never get a
+  // gradient: the step completes when the other layers are done, and they are published at the
+  // step's version then (state untouched).
+  ClientLayerSync client_ ABSL_GUARDED_BY(mu_);
   double last_step_update_seconds_ ABSL_GUARDED_BY(mu_) = 0;
   double step_update_seconds_ ABSL_GUARDED_BY(mu_) = 0;
   std::vector<LayerUpdateResult> step_layers_ ABSL_GUARDED_BY(mu_);       // of the running step

@@ -64,8 +64,6 @@ std::string SegmentName(const std::string& instance, shm::SegmentKind kind) {
   return absl::StrCat("slidedp.", instance, ".", KindSuffix(kind));
 }
 
-void FutexWakeAll(uint32_t* word) { shm::Doorbell(word).WakeAll(); }
-
 OwnerCheck TrainingState::SegmentCheck(const Options& options, shm::SegmentKind kind) {
   if (kind == shm::SegmentKind::kState) return OwnedBySelf(0600);
   return OwnedBySelf(options.mode, options.group);

@@ -222,7 +222,4 @@ class TrainingState {
   ShmSegment grads_;
 };
 
-// Wakes every waiter blocked on a futex word in shared memory.
-void FutexWakeAll(uint32_t* word);
-
 }  // namespace slidedp::hostd
