@@ -16,6 +16,7 @@
 #include "absl/strings/str_join.h"
 #include "common/status_macros.h"
 #include "common/thread_pool.h"
+#include "common/unique_fd.h"
 #include "kernels/cpu/adamw.h"
 #include "model/manifest.h"
 #include "spdlog/spdlog.h"
@@ -153,24 +154,24 @@ absl::Status RestoreCheckpoint(const model::CheckpointInfo& info, TrainingState*
   uint32_t restored = 0;
   for (const model::CheckpointFile& f : info.files) {
     const std::string path = (fs::path(info.path) / f.name).string();
-    const int fd = open(path.c_str(), O_RDONLY | O_CLOEXEC);
-    if (fd < 0) return ErrnoStatus("open " + path);
+    UniqueFd fd(open(path.c_str(), O_RDONLY | O_CLOEXEC));
+    if (!fd.valid()) return ErrnoStatus("open " + path);
     XXH3_state_t* st = XXH3_createState();
     XXH3_64bits_reset(st);
     model::LayerFileHeader h{};
-    absl::Status s = ReadExact(fd, &h, sizeof(h), path, st);
+    absl::Status s = ReadExact(fd.get(), &h, sizeof(h), path, st);
     // The rest of the header block (zeros; hashed like every byte of the file).
     std::vector<char> pad(model::LayerDataOffset(info.format) - sizeof(h));
-    if (s.ok() && !pad.empty()) s = ReadExact(fd, pad.data(), pad.size(), path, st);
+    if (s.ok() && !pad.empty()) s = ReadExact(fd.get(), pad.data(), pad.size(), path, st);
     const uint32_t l = f.layer;
     for (float* dst : {state->master(l), state->exp_avg(l), state->exp_avg_sq(l)}) {
-      if (s.ok()) s = ReadExact(fd, dst, f.numel * sizeof(float), path, st);
+      if (s.ok()) s = ReadExact(fd.get(), dst, f.numel * sizeof(float), path, st);
     }
     char extra = 0;
-    if (s.ok() && read(fd, &extra, 1) > 0) {
+    if (s.ok() && read(fd.get(), &extra, 1) > 0) {
       s = absl::DataLossError(absl::StrCat("layer file ", path, " is longer than meta.json says"));
     }
-    close(fd);
+    fd.reset();
     const uint64_t hash = XXH3_64bits_digest(st);
     XXH3_freeState(st);
     if (!s.ok()) return Annotate(s, absl::StrCat("checkpoint ", info.path));
@@ -376,21 +377,17 @@ constexpr int kMadvPopulateWrite = 23;  // Linux 5.14; older kernels answer EINV
 #endif
 }  // namespace
 
-void Checkpointer::Unmap::operator()(float* p) const {
-  if (p != nullptr) munmap(p, bytes);
-}
-
 Checkpointer::Snapshot Checkpointer::AllocateSnapshot(uint64_t numel) {
   const size_t bytes = 3 * numel * sizeof(float);
-  void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-  if (p == MAP_FAILED) return Snapshot{};
+  absl::StatusOr<Mapping> mapped = Mapping::Anonymous(bytes, "checkpoint snapshot buffer");
+  if (!mapped.ok()) return Snapshot{};  // the caller writes the layer from the live state
   {
     std::lock_guard<std::mutex> lock(mu_);
     stats_.snapshot_buffers_allocated++;
   }
-  if (options_.snapshot_huge_pages) madvise(p, bytes, MADV_HUGEPAGE);  // best effort
+  if (options_.snapshot_huge_pages) madvise(mapped->data(), bytes, MADV_HUGEPAGE);  // best effort
   Snapshot snap;
-  snap.data = std::unique_ptr<float[], Unmap>(static_cast<float*>(p), Unmap{bytes});
+  snap.data = std::move(*mapped);
   snap.numel = numel;
   return snap;
 }
@@ -406,7 +403,7 @@ Checkpointer::Snapshot Checkpointer::TakeKeptLocked(uint64_t numel) {
 }
 
 void Checkpointer::KeepLocked(Snapshot s) {
-  if (!options_.keep_snapshot_pool || !s.data) return;  // freed here
+  if (!options_.keep_snapshot_pool || !s.data.valid()) return;  // freed here
   kept_bytes_ += 3 * s.numel * sizeof(float);
   kept_.emplace(s.numel, std::move(s));
   stats_.pool_kept_bytes = kept_bytes_;
@@ -485,8 +482,8 @@ void Checkpointer::RunPrepare() {
     // ~1.7 GiB/s on the H200 host, so a 45 GiB pool was a third ready when the checkpoint of
     // step 8 came. In one call per part where the kernel has MADV_POPULATE_WRITE (5.14), else
     // one write per page.
-    if (snap.data) {
-      auto* base = reinterpret_cast<char*>(snap.data.get());
+    if (snap.data.valid()) {
+      auto* base = snap.data.as<char>();
       const uint64_t pages = (n + static_cast<uint64_t>(page) - 1) / static_cast<uint64_t>(page);
       auto fault_part = [&](uint64_t part) {
         const uint64_t b = pages * part / kWriterCopyThreads * static_cast<uint64_t>(page);
@@ -497,7 +494,7 @@ void Checkpointer::RunPrepare() {
       };
       InParts(fault_part);
     }
-    if (!snap.data) {
+    if (!snap.data.valid()) {
       lock.lock();
       spdlog::warn(
           "checkpoint snapshot pool: preparing it stopped at {:.2f} GiB: no memory "
@@ -554,15 +551,15 @@ void Checkpointer::BeforeLayerWrite(uint32_t layer, uint64_t step) {
       lock.unlock();
       // The copy runs on the update pool: the update of this layer is waiting for it anyway.
       const auto c0 = Clock::now();
-      Snapshot snap = kept.data ? std::move(kept) : AllocateSnapshot(info.numel);
-      if (!snap.data) {
+      Snapshot snap = kept.data.valid() ? std::move(kept) : AllocateSnapshot(info.numel);
+      if (!snap.data.valid()) {
         lock.lock();
         NoRoomLocked(layer, bytes);
         continue;  // waits for the writer, which writes this layer from the live state
       }
       const float* src[3] = {state_->master(layer), state_->exp_avg(layer),
                              state_->exp_avg_sq(layer)};
-      float* dst = snap.data.get();
+      float* dst = snap.data.as<float>();
       const size_t n = info.numel;
       auto copy = [&](size_t b, size_t e, int) {
         for (int k = 0; k < 3; ++k) {
@@ -707,8 +704,8 @@ void Checkpointer::RunCheckpoint(std::unique_lock<std::mutex>& lock) {
         stats_.pool_high_water_bytes = std::max(stats_.pool_high_water_bytes, pool_used_);
         Snapshot kept = TakeKeptLocked(n);
         lock.unlock();
-        Snapshot copy = kept.data ? std::move(kept) : AllocateSnapshot(n);
-        if (!copy.data) {
+        Snapshot copy = kept.data.valid() ? std::move(kept) : AllocateSnapshot(n);
+        if (!copy.data.valid()) {
           lock.lock();
           NoRoomLocked(l, 3 * n * sizeof(float));
           continue;  // no room now: this layer and the rest are written from the live state
@@ -717,7 +714,7 @@ void Checkpointer::RunCheckpoint(std::unique_lock<std::mutex>& lock) {
         // does not reach the DRAM bandwidth, and every layer copied here is one the next
         // step's update need not copy itself.
         const float* src[3] = {state_->master(l), state_->exp_avg(l), state_->exp_avg_sq(l)};
-        float* dst = copy.data.get();
+        float* dst = copy.data.as<float>();
         InParts([&](uint64_t part) {
           const uint64_t b = n * part / kWriterCopyThreads, e = n * (part + 1) / kWriterCopyThreads;
           for (int k = 0; k < 3; ++k) {
@@ -770,15 +767,15 @@ void Checkpointer::RunCheckpoint(std::unique_lock<std::mutex>& lock) {
     lock.unlock();
     const auto w0 = Clock::now();
     absl::StatusOr<uint64_t> written;
-    if (snap.data) {
-      const float* d = snap.data.get();
+    if (snap.data.valid()) {
+      const float* d = snap.data.as<const float>();
       written = writer->WriteLayer(l, snap.numel, d, d + snap.numel, d + 2 * snap.numel, paced);
     } else {
       written = writer->WriteLayer(l, state_->layers()[l].numel, state_->master(l),
                                    state_->exp_avg(l), state_->exp_avg_sq(l));
     }
     write_s += Seconds(w0, Clock::now());
-    const uint64_t freed = snap.data ? 3 * snap.numel * sizeof(float) : 0;
+    const uint64_t freed = snap.data.valid() ? 3 * snap.numel * sizeof(float) : 0;
     lock.lock();
     KeepLocked(std::move(snap));
     if (!written.ok()) {

@@ -48,6 +48,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "common/mapping.h"
 #include "hostd/state.h"
 #include "model/checkpoint_format.h"
 
@@ -216,14 +217,8 @@ class Checkpointer {
   // writer writes it from the live state; kDone: written; kAwaitingClient: a client-updated
   // layer whose version-t state the ranks have not uploaded yet (becomes kPending).
   enum class LayerState { kPending, kCopying, kSnapshotted, kWritingLive, kDone, kAwaitingClient };
-  // Anonymous memory, unmapped when freed.
-  struct Unmap {
-    size_t bytes;  // no initializer: a default member initializer makes unique_ptr's default
-                   // constructor unusable inside this still-incomplete class
-    void operator()(float* p) const;
-  };
   struct Snapshot {
-    std::unique_ptr<float[], Unmap> data;  // master | m | v
+    Mapping data;  // anonymous memory: master | m | v as floats
     uint64_t numel = 0;
   };
   // Empty when the host has no memory for it (mmap failed).
