@@ -14,6 +14,8 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
 #include "common/status_macros.h"
 #include "common/thread_pool.h"
 #include "common/unique_fd.h"
@@ -217,19 +219,19 @@ Checkpointer::Checkpointer(TrainingState* state, ThreadPool* pool, Options optio
 
 Checkpointer::~Checkpointer() {
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    absl::MutexLock lock(&mu_);
     stop_ = true;
     if (active_ && cancel_reason_.empty()) cancel_reason_ = "hostd is stopping";
   }
   unpaced_ = true;
-  cv_.notify_all();
+  cv_.SignalAll();
   writer_.join();
   if (preparer_.joinable()) preparer_.join();  // stops after its current buffer
 }
 
 absl::Status Checkpointer::Start(const std::string& dir, uint64_t step, model::CheckpointInfo info,
                                  const std::vector<uint32_t>& awaiting_client) {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   if (stop_) return absl::UnavailableError("the checkpointer is stopping");
   if (active_ && failed_) {
     return absl::FailedPreconditionError(absl::StrCat(
@@ -275,16 +277,23 @@ absl::Status Checkpointer::Start(const std::string& dir, uint64_t step, model::C
   started_ = Clock::now();
   results_.erase(step);
   stats_.checkpoints_started++;
-  cv_.notify_all();
+  cv_.SignalAll();
   return absl::OkStatus();
 }
 
 absl::StatusOr<CheckpointResult> Checkpointer::Wait(uint64_t step, int64_t timeout_ms) {
-  std::unique_lock<std::mutex> lock(mu_);
-  auto done = [&] { return results_.count(step) > 0 || (!active_ || step_ != step); };
-  if (!cv_.wait_for(lock, std::chrono::milliseconds(timeout_ms), done)) {
-    return absl::DeadlineExceededError(absl::StrCat("the checkpoint of step ", step,
-                                                    " did not finish within ", timeout_ms, " ms"));
+  absl::MutexLock lock(&mu_);
+  auto done = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return results_.count(step) > 0 || (!active_ || step_ != step);
+  };
+  // On the steady clock; absl::Duration saturates, so any timeout_ms is safe.
+  const absl::Duration timeout = absl::Milliseconds(timeout_ms);
+  const auto t0 = Clock::now();
+  while (!done()) {
+    if (cv_.WaitWithTimeout(&mu_, timeout - absl::FromChrono(Clock::now() - t0)) && !done()) {
+      return absl::DeadlineExceededError(absl::StrCat(
+          "the checkpoint of step ", step, " did not finish within ", timeout_ms, " ms"));
+    }
   }
   auto it = results_.find(step);
   if (it == results_.end()) {
@@ -295,18 +304,18 @@ absl::StatusOr<CheckpointResult> Checkpointer::Wait(uint64_t step, int64_t timeo
 
 void Checkpointer::ClientLayerReady(uint32_t layer, uint64_t step) {
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    absl::MutexLock lock(&mu_);
     if (!active_ || step != step_ || layer >= layers_.size() ||
         layers_[layer] != LayerState::kAwaitingClient) {
       return;
     }
     layers_[layer] = LayerState::kPending;
   }
-  cv_.notify_all();
+  cv_.SignalAll();
 }
 
 std::vector<uint32_t> Checkpointer::awaiting_client() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   std::vector<uint32_t> out;
   if (!active_) return out;
   for (uint32_t l = 0; l < layers_.size(); ++l) {
@@ -317,44 +326,44 @@ std::vector<uint32_t> Checkpointer::awaiting_client() const {
 
 void Checkpointer::Cancel(const std::string& reason) {
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    absl::MutexLock lock(&mu_);
     if (!active_) return;
     cancel_reason_ = reason;
   }
   unpaced_ = true;  // the layer being written ends sooner, then the writer sees the reason
-  cv_.notify_all();
+  cv_.SignalAll();
 }
 
 void Checkpointer::Unpace() { unpaced_ = true; }
 
 bool Checkpointer::in_flight() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   return active_;
 }
 
 uint64_t Checkpointer::in_flight_step() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   return active_ ? step_ : 0;
 }
 
 CheckpointResult Checkpointer::last_committed() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   return last_;
 }
 
 int64_t Checkpointer::last_committed_unix_ms() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   return last_unix_ms_;
 }
 
 void Checkpointer::set_last_committed(const CheckpointResult& r, int64_t unix_ms) {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   last_ = r;
   last_unix_ms_ = unix_ms;
 }
 
 CheckpointStats Checkpointer::stats() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   return stats_;
 }
 
@@ -382,7 +391,7 @@ Checkpointer::Snapshot Checkpointer::AllocateSnapshot(uint64_t numel) {
   absl::StatusOr<Mapping> mapped = Mapping::Anonymous(bytes, "checkpoint snapshot buffer");
   if (!mapped.ok()) return Snapshot{};  // the caller writes the layer from the live state
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    absl::MutexLock lock(&mu_);
     stats_.snapshot_buffers_allocated++;
   }
   if (options_.snapshot_huge_pages) madvise(mapped->data(), bytes, MADV_HUGEPAGE);  // best effort
@@ -433,11 +442,11 @@ void Checkpointer::NoRoomLocked(uint32_t layer, uint64_t bytes) {
       "at {:.2f} GiB and the other layers are written from the live state (updates that need "
       "them wait for the disk)",
       step_, layer, bytes / 1073741824.0, pool_used_ / 1073741824.0);
-  cv_.notify_all();
+  cv_.SignalAll();
 }
 
 void Checkpointer::PreparePool() {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   if (stop_ || !options_.keep_snapshot_pool || preparing_) return;
   if (preparer_.joinable()) preparer_.join();  // done: preparing_ is false
   preparing_ = true;
@@ -445,11 +454,12 @@ void Checkpointer::PreparePool() {
 }
 
 void Checkpointer::RunPrepare() {
-  std::unique_lock<std::mutex> lock(mu_);
-  struct Done {
-    bool& flag;
-    ~Done() { flag = false; }  // under mu_: `lock` is destroyed after this
-  } done{preparing_};
+  absl::MutexLock lock(&mu_);
+  PrepareLocked();
+  preparing_ = false;
+}
+
+void Checkpointer::PrepareLocked() {
   const uint64_t target = PoolSizeLocked();
   // Buffers already kept count for the layers of their size, highest layer first (the order
   // the writer captures them in).
@@ -475,7 +485,7 @@ void Checkpointer::RunPrepare() {
   uint64_t prepared = 0;
   for (uint64_t numel : wanted) {
     if (stop_ || active_) break;  // a checkpoint takes what is ready
-    lock.unlock();
+    mu_.Unlock();
     Snapshot snap = AllocateSnapshot(numel);
     const uint64_t n = 3 * numel * sizeof(float);
     // Fault every page in (the kernel zero-fills it), a part per thread: one thread zero-filled
@@ -495,14 +505,14 @@ void Checkpointer::RunPrepare() {
       InParts(fault_part);
     }
     if (!snap.data.valid()) {
-      lock.lock();
+      mu_.Lock();
       spdlog::warn(
           "checkpoint snapshot pool: preparing it stopped at {:.2f} GiB: no memory "
           "for a buffer of {:.2f} GiB; the next checkpoint allocates the rest",
           prepared / 1073741824.0, 3.0 * numel * sizeof(float) / 1073741824.0);
       break;
     }
-    lock.lock();
+    mu_.Lock();
     prepared += 3 * numel * sizeof(float);
     KeepLocked(std::move(snap));
   }
@@ -523,14 +533,14 @@ void Checkpointer::FailInFlightLocked(absl::Status status) {
   spdlog::error("checkpoint of step {} failed: {}", step_, status.ToString());
   results_[step_] = std::move(status);
   unpaced_ = true;  // the write in progress ends sooner, if it ends
-  cv_.notify_all();
+  cv_.SignalAll();
 }
 
 void Checkpointer::BeforeLayerWrite(uint32_t layer, uint64_t step) {
-  std::unique_lock<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   if (!active_ || failed_ || step <= step_ || layer >= layers_.size()) return;
   next_step_begun_ = true;
-  auto busy = [&] {
+  auto busy = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     const LayerState st = layers_[layer];
     return st == LayerState::kPending || st == LayerState::kCopying ||
            st == LayerState::kWritingLive;
@@ -548,12 +558,12 @@ void Checkpointer::BeforeLayerWrite(uint32_t layer, uint64_t step) {
       stats_.pool_high_water_bytes = std::max(stats_.pool_high_water_bytes, pool_used_);
       if (waited) stats_.stall_seconds += Seconds(t0, Clock::now());
       Snapshot kept = TakeKeptLocked(info.numel);
-      lock.unlock();
+      mu_.Unlock();
       // The copy runs on the update pool: the update of this layer is waiting for it anyway.
       const auto c0 = Clock::now();
       Snapshot snap = kept.data.valid() ? std::move(kept) : AllocateSnapshot(info.numel);
       if (!snap.data.valid()) {
-        lock.lock();
+        mu_.Lock();
         NoRoomLocked(layer, bytes);
         continue;  // waits for the writer, which writes this layer from the live state
       }
@@ -572,21 +582,21 @@ void Checkpointer::BeforeLayerWrite(uint32_t layer, uint64_t step) {
         copy(0, n, 0);
       }
       const double copy_s = Seconds(c0, Clock::now());
-      lock.lock();
+      mu_.Lock();
       snapshots_[layer] = std::move(snap);
       stats_.snapshot_seconds += copy_s;
       stats_.layers_snapshotted++;
-      cv_.notify_all();
+      cv_.SignalAll();
       return;
     }
     waited = true;
     wanted_layer_ = layer;
     update_waiting_ = true;
-    cv_.notify_all();
+    cv_.SignalAll();
     if (options_.capture_timeout_ms <= 0) {
-      cv_.wait(lock);
-    } else if (cv_.wait_until(lock, deadline) == std::cv_status::timeout && active_ && !failed_ &&
-               step_ < step && busy()) {
+      cv_.Wait(&mu_);
+    } else if (cv_.WaitWithTimeout(&mu_, absl::FromChrono(deadline - Clock::now())) && active_ &&
+               !failed_ && step_ < step && busy()) {
       const LayerState st = layers_[layer];
       FailInFlightLocked(absl::DeadlineExceededError(absl::StrCat(
           "the update of layer ", layer, " for step ", step, " waited ",
@@ -615,21 +625,21 @@ void Checkpointer::BeforeLayerWrite(uint32_t layer, uint64_t step) {
 }
 
 void Checkpointer::Run() {
-  std::unique_lock<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   for (;;) {
-    cv_.wait(lock, [this] { return stop_ || active_; });
-    if (active_) RunCheckpoint(lock);
+    while (!stop_ && !active_) cv_.Wait(&mu_);
+    if (active_) RunCheckpoint();
     if (stop_) return;
   }
 }
 
-void Checkpointer::RunCheckpoint(std::unique_lock<std::mutex>& lock) {
+void Checkpointer::RunCheckpoint() {
   const uint64_t step = step_;
   const std::string dir = dir_;
   const model::CheckpointScope scope = scope_;
   const uint32_t num_layers = static_cast<uint32_t>(layers_.size());
   stats_.last_stall_max_layer_wait_us = 0;
-  lock.unlock();
+  mu_.Unlock();
   absl::Status status;
   std::unique_ptr<model::CheckpointDirWriter> writer;
   {
@@ -640,7 +650,7 @@ void Checkpointer::RunCheckpoint(std::unique_lock<std::mutex>& lock) {
       status = begun.status();
     }
   }
-  lock.lock();
+  mu_.Lock();
   double write_s = 0;
   // Pacing (max_write_bytes_per_s) of the writes from the pool: a token bucket whose credit,
   // built up while the writer waits for layers, is at most a quarter second of writing. An
@@ -676,7 +686,7 @@ void Checkpointer::RunCheckpoint(std::unique_lock<std::mutex>& lock) {
     // 2. Write the pooled copies (highest first), freeing room.
     // 3. No room: write a layer at version t straight from the live state (an update that
     //    needs it meanwhile waits: the stall).
-    auto ready = [&](uint32_t l) {
+    auto ready = [&](uint32_t l) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
       return layers_[l] == LayerState::kPending && state_->committed_version(l) >= step;
     };
     int64_t pick = -1;
@@ -703,10 +713,10 @@ void Checkpointer::RunCheckpoint(std::unique_lock<std::mutex>& lock) {
         pool_used_ += 3 * n * sizeof(float);
         stats_.pool_high_water_bytes = std::max(stats_.pool_high_water_bytes, pool_used_);
         Snapshot kept = TakeKeptLocked(n);
-        lock.unlock();
+        mu_.Unlock();
         Snapshot copy = kept.data.valid() ? std::move(kept) : AllocateSnapshot(n);
         if (!copy.data.valid()) {
-          lock.lock();
+          mu_.Lock();
           NoRoomLocked(l, 3 * n * sizeof(float));
           continue;  // no room now: this layer and the rest are written from the live state
         }
@@ -721,11 +731,11 @@ void Checkpointer::RunCheckpoint(std::unique_lock<std::mutex>& lock) {
             std::memcpy(dst + k * n + b, src[k] + b, (e - b) * sizeof(float));
           }
         });
-        lock.lock();
+        mu_.Lock();
         snapshots_[l] = std::move(copy);
         layers_[l] = LayerState::kSnapshotted;
         stats_.layers_copied_by_writer++;
-        cv_.notify_all();
+        cv_.SignalAll();
         continue;
       }
     }
@@ -760,11 +770,11 @@ void Checkpointer::RunCheckpoint(std::unique_lock<std::mutex>& lock) {
             "slidedp_rank_upload_client_layer"));
         break;
       }
-      cv_.wait_for(lock, std::chrono::milliseconds(2));
+      cv_.WaitWithTimeout(&mu_, absl::Milliseconds(2));
       continue;
     }
     const uint32_t l = static_cast<uint32_t>(pick);
-    lock.unlock();
+    mu_.Unlock();
     const auto w0 = Clock::now();
     absl::StatusOr<uint64_t> written;
     if (snap.data.valid()) {
@@ -776,7 +786,7 @@ void Checkpointer::RunCheckpoint(std::unique_lock<std::mutex>& lock) {
     }
     write_s += Seconds(w0, Clock::now());
     const uint64_t freed = snap.data.valid() ? 3 * snap.numel * sizeof(float) : 0;
-    lock.lock();
+    mu_.Lock();
     KeepLocked(std::move(snap));
     if (!written.ok()) {
       status = written.status();
@@ -786,7 +796,7 @@ void Checkpointer::RunCheckpoint(std::unique_lock<std::mutex>& lock) {
     pool_used_ -= freed;
     if (freed == 0) stats_.layers_written_live++;
     stats_.bytes_written += *written;
-    cv_.notify_all();
+    cv_.SignalAll();
   }
   // From here no update needs to wait: release them before the (slow) commit fsyncs.
   model::CheckpointInfo info = std::move(info_);
@@ -796,8 +806,8 @@ void Checkpointer::RunCheckpoint(std::unique_lock<std::mutex>& lock) {
   for (auto& [l, s] : snapshots_) KeepLocked(std::move(s));
   snapshots_.clear();
   pool_used_ = 0;
-  cv_.notify_all();
-  lock.unlock();
+  cv_.SignalAll();
+  mu_.Unlock();
   // A checkpoint failed by an update's timeout (FailInFlightLocked) has its cancel reason set
   // while a layer was still busy, so the loop above saw it: it never commits.
   absl::StatusOr<model::CheckpointInfo> committed =
@@ -813,7 +823,7 @@ void Checkpointer::RunCheckpoint(std::unique_lock<std::mutex>& lock) {
   }
   const uint64_t direct_bytes = writer ? writer->bytes_written_direct() : 0;
   writer.reset();  // removes the .tmp directory of a failed checkpoint
-  lock.lock();
+  mu_.Lock();
   const double total_s = Seconds(started_, Clock::now());
   stats_.write_seconds += write_s;
   stats_.paced_seconds += paced_s;
@@ -846,7 +856,7 @@ void Checkpointer::RunCheckpoint(std::unique_lock<std::mutex>& lock) {
   active_ = false;
   failed_ = false;
   cancel_reason_.clear();
-  cv_.notify_all();
+  cv_.SignalAll();
 }
 
 }  // namespace slidedp::hostd
