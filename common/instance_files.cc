@@ -20,6 +20,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
 #include "common/shm_segment.h"
+#include "common/unique_fd.h"
 #include "proto/shm_abi.h"
 
 namespace slidedp {
@@ -107,12 +108,12 @@ absl::StatusOr<std::unique_ptr<InstanceLock>> InstanceLock::Acquire(const std::s
   for (int attempt = 0; attempt < 16; ++attempt) {
     // An existing file is opened without O_CREAT: in a sticky directory O_CREAT may refuse
     // another user's file (fs.protected_regular) before we could say whose it is.
-    int fd = open(path.c_str(), O_RDWR | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC);
-    if (fd < 0 && errno == ENOENT) {
-      fd = open(path.c_str(), O_RDWR | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
-      if (fd < 0 && errno == EEXIST) continue;  // made meanwhile: open that one
+    UniqueFd fd(open(path.c_str(), O_RDWR | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC));
+    if (!fd.valid() && errno == ENOENT) {
+      fd.reset(open(path.c_str(), O_RDWR | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600));
+      if (!fd.valid() && errno == EEXIST) continue;  // made meanwhile: open that one
     }
-    if (fd < 0) {
+    if (!fd.valid()) {
       const int err = errno;
       // A link (ELOOP) or another user's file (EACCES): say what is there.
       struct stat st;
@@ -122,20 +123,15 @@ absl::StatusOr<std::unique_ptr<InstanceLock>> InstanceLock::Acquire(const std::s
       return ErrnoError("open " + path, err);
     }
     struct stat held;
-    if (fstat(fd, &held) != 0) {
+    if (fstat(fd.get(), &held) != 0) {
       const int err = errno;
-      close(fd);
       return ErrnoError("fstat " + path, err);
     }
     // Whoever holds it: a foreign file is refused as such, never taken for a live hostd's.
-    if (absl::Status s = CheckOwner(held, path, "lock file", check); !s.ok()) {
-      close(fd);
-      return s;
-    }
-    if (flock(fd, LOCK_EX | LOCK_NB) != 0) {
+    if (absl::Status s = CheckOwner(held, path, "lock file", check); !s.ok()) return s;
+    if (flock(fd.get(), LOCK_EX | LOCK_NB) != 0) {
       const int err = errno;
-      const pid_t holder = ReadPid(fd);
-      close(fd);
+      const pid_t holder = ReadPid(fd.get());
       if (err == EWOULDBLOCK) {
         return absl::FailedPreconditionError(
             absl::StrCat("instance '", instance, "' is in use by hostd pid ",
@@ -147,60 +143,55 @@ absl::StatusOr<std::unique_ptr<InstanceLock>> InstanceLock::Acquire(const std::s
     struct stat named;
     if (lstat(path.c_str(), &named) != 0 || held.st_ino != named.st_ino ||
         held.st_dev != named.st_dev) {
-      close(fd);
-      continue;
+      continue;  // unlinked by its previous owner after we opened it: lock the new one
     }
     // The group first: a group-accessible mode must never apply to the creator's own group.
     if (options.group != static_cast<gid_t>(-1) &&
-        fchown(fd, static_cast<uid_t>(-1), options.group) != 0) {
+        fchown(fd.get(), static_cast<uid_t>(-1), options.group) != 0) {
       const int err = errno;
-      close(fd);
       return ErrnoError(absl::StrCat("fchown ", path, " to ", DescribeGid(options.group),
                                      " (shm_group: hostd must be root or a member of the group)"),
                         err);
     }
-    if (fchmod(fd, options.mode) != 0) {
+    if (fchmod(fd.get(), options.mode) != 0) {
       const int err = errno;
-      close(fd);
       return ErrnoError("fchmod " + path, err);
     }
     const std::string pid = absl::StrCat(getpid(), "\n");
-    if (ftruncate(fd, 0) != 0 ||
-        pwrite(fd, pid.data(), pid.size(), 0) != static_cast<ssize_t>(pid.size())) {
+    if (ftruncate(fd.get(), 0) != 0 ||
+        pwrite(fd.get(), pid.data(), pid.size(), 0) != static_cast<ssize_t>(pid.size())) {
       const int err = errno;
-      close(fd);
       return ErrnoError("write " + path, err);
     }
     return std::unique_ptr<InstanceLock>(
-        new InstanceLock(instance, fd, options.mode, options.group));
+        new InstanceLock(instance, std::move(fd), options.mode, options.group));
   }
   return absl::UnavailableError(absl::StrCat("lock ", path, ": kept changing; try again"));
 }
 
 InstanceLock::~InstanceLock() {
-  if (fd_ >= 0) {
-    // Only the file we hold: the name refers to it unless its owner or root replaced it.
+  if (fd_.valid()) {
+    // Only the file we hold: the name refers to it unless its owner or root replaced it. It is
+    // unlinked before fd_ closes (which unlocks it).
     const std::string path = InstanceLockPath(instance_);
     struct stat held, named;
-    if (fstat(fd_, &held) == 0 && lstat(path.c_str(), &named) == 0 && held.st_ino == named.st_ino &&
-        held.st_dev == named.st_dev) {
+    if (fstat(fd_.get(), &held) == 0 && lstat(path.c_str(), &named) == 0 &&
+        held.st_ino == named.st_ino && held.st_dev == named.st_dev) {
       unlink(path.c_str());
     }
-    close(fd_);
   }
 }
 
 pid_t InstanceLockHolder(const std::string& instance) {
   if (!ValidInstance(instance)) return 0;
-  const int fd =
-      open(InstanceLockPath(instance).c_str(), O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC);
-  if (fd < 0) return 0;
+  const UniqueFd fd(
+      open(InstanceLockPath(instance).c_str(), O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC));
+  if (!fd.valid()) return 0;
   pid_t holder = 0;
-  if (flock(fd, LOCK_SH | LOCK_NB) != 0 && errno == EWOULDBLOCK) {
-    holder = ReadPid(fd);
+  if (flock(fd.get(), LOCK_SH | LOCK_NB) != 0 && errno == EWOULDBLOCK) {
+    holder = ReadPid(fd.get());
     if (holder <= 0) holder = -1;
   }
-  close(fd);
   return holder;
 }
 

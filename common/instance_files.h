@@ -25,6 +25,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "common/shm_segment.h"
+#include "common/unique_fd.h"
 
 namespace slidedp {
 
@@ -67,10 +68,10 @@ class InstanceLock {
   gid_t group() const { return group_; }
 
  private:
-  InstanceLock(std::string instance, int fd, mode_t mode, gid_t group)
-      : instance_(std::move(instance)), fd_(fd), mode_(mode), group_(group) {}
+  InstanceLock(std::string instance, UniqueFd fd, mode_t mode, gid_t group)
+      : instance_(std::move(instance)), fd_(std::move(fd)), mode_(mode), group_(group) {}
   std::string instance_;
-  int fd_ = -1;
+  UniqueFd fd_;  // holds the flock
   mode_t mode_ = 0600;
   gid_t group_ = static_cast<gid_t>(-1);
 };

@@ -28,6 +28,7 @@
 #include "absl/synchronization/mutex.h"
 #include "common/status_macros.h"
 #include "common/thread_pool.h"
+#include "common/unique_fd.h"
 
 #ifndef MADV_POPULATE_WRITE
 #define MADV_POPULATE_WRITE 23
@@ -238,16 +239,14 @@ absl::Status CheckOwner(const struct stat& st, const std::string& path, absl::st
 absl::StatusOr<bool> CheckPath(const std::string& path, absl::string_view what,
                                const OwnerCheck& check) {
   // O_PATH: fstat needs no read permission, and with O_NOFOLLOW it opens a link itself.
-  const int fd = open(path.c_str(), O_PATH | O_NOFOLLOW | O_CLOEXEC);
-  if (fd < 0) {
+  const UniqueFd fd(open(path.c_str(), O_PATH | O_NOFOLLOW | O_CLOEXEC));
+  if (!fd.valid()) {
     if (errno == ENOENT) return false;
     return ErrnoStatus("open " + path);
   }
   struct stat st;
-  absl::Status s =
-      fstat(fd, &st) == 0 ? CheckOwner(st, path, what, check) : ErrnoStatus("fstat " + path);
-  close(fd);
-  if (!s.ok()) return s;
+  if (fstat(fd.get(), &st) != 0) return ErrnoStatus("fstat " + path);
+  RETURN_IF_ERROR(CheckOwner(st, path, what, check));
   return true;
 }
 
@@ -398,9 +397,9 @@ absl::StatusOr<ShmSegment> ShmSegment::Open(const std::string& name, bool writab
   RETURN_IF_ERROR(ValidateName(name));
   const std::string path = ShmPath(name);
   // O_NOFOLLOW: a link is refused, not followed; O_NONBLOCK: a FIFO in its place cannot block us.
-  const int fd =
-      open(path.c_str(), (writable ? O_RDWR : O_RDONLY) | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC);
-  if (fd < 0) {
+  const UniqueFd fd(
+      open(path.c_str(), (writable ? O_RDWR : O_RDONLY) | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC));
+  if (!fd.valid()) {
     const int err = errno;
     if (err == ENOENT)
       return absl::NotFoundError(absl::StrCat("open shared memory ", name, ": not found"));
@@ -409,33 +408,24 @@ absl::StatusOr<ShmSegment> ShmSegment::Open(const std::string& name, bool writab
     if (lstat(path.c_str(), &st) == 0) RETURN_IF_ERROR(CheckOwner(st, path, "segment", check));
     return ErrnoStatus("open shared memory " + name, err);
   }
+  struct stat st;
+  if (fstat(fd.get(), &st) != 0) return ErrnoStatus("fstat " + name);
+  RETURN_IF_ERROR(CheckOwner(st, path, "segment", check));
+  if (st.st_size <= 0) return absl::FailedPreconditionError("segment " + name + " is empty");
   ShmSegment seg;
   seg.name_ = name;
-  struct stat st;
-  absl::Status s =
-      fstat(fd, &st) == 0 ? CheckOwner(st, path, "segment", check) : ErrnoStatus("fstat " + name);
-  if (s.ok() && st.st_size <= 0) s = absl::FailedPreconditionError("segment " + name + " is empty");
-  if (s.ok()) {
-    seg.size_bytes_ = static_cast<size_t>(st.st_size);
-    void* shared = nullptr;
-    if constexpr (kOneMappingPerFile) shared = MappingRegistry::Get().Share(st, writable);
-    if (shared != nullptr) {
+  seg.size_bytes_ = static_cast<size_t>(st.st_size);
+  if constexpr (kOneMappingPerFile) {
+    if (void* shared = MappingRegistry::Get().Share(st, writable)) {
       seg.data_ = shared;
-    } else {
-      void* addr = mmap(nullptr, seg.size_bytes_, writable ? PROT_READ | PROT_WRITE : PROT_READ,
-                        MAP_SHARED, fd, 0);
-      if (addr == MAP_FAILED) {
-        s = ErrnoStatus("mmap " + name);
-      } else {
-        seg.data_ = addr;
-        if constexpr (kOneMappingPerFile) {
-          MappingRegistry::Get().Add(st, addr, seg.size_bytes_, writable);
-        }
-      }
+      return seg;
     }
   }
-  close(fd);
-  if (!s.ok()) return s;
+  void* addr = mmap(nullptr, seg.size_bytes_, writable ? PROT_READ | PROT_WRITE : PROT_READ,
+                    MAP_SHARED, fd.get(), 0);
+  if (addr == MAP_FAILED) return ErrnoStatus("mmap " + name);
+  seg.data_ = addr;
+  if constexpr (kOneMappingPerFile) MappingRegistry::Get().Add(st, addr, seg.size_bytes_, writable);
   return seg;
 }
 
@@ -516,6 +506,8 @@ absl::StatusOr<size_t> ShmSegment::ReleasePages(size_t offset, size_t bytes) {
 
 ShmSegment::~ShmSegment() { Reset(); }
 
+// The mapping is unmapped here rather than by a Mapping (common/mapping.h): under TSan several
+// segments share one mapping and only the last reference unmaps it.
 void ShmSegment::Reset() {
   if (data_ != nullptr) {
     if (!kOneMappingPerFile || MappingRegistry::Get().Release(data_)) {

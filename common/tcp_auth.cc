@@ -18,6 +18,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/string_view.h"
+#include "common/unique_fd.h"
 
 namespace slidedp {
 namespace {
@@ -63,8 +64,8 @@ bool IsLoopbackHostPort(std::string_view host_port, bool allow_port_zero) {
 }
 
 absl::StatusOr<std::string> ReadServiceToken(const std::string& path, bool for_server) {
-  const int fd = open(path.c_str(), O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC);
-  if (fd < 0) {
+  UniqueFd fd(open(path.c_str(), O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC));
+  if (!fd.valid()) {
     const int err = errno;
     const std::string what = absl::StrCat("auth token file ", path, ": ", std::strerror(err));
     if (err == ENOENT) return absl::NotFoundError(what);
@@ -78,7 +79,7 @@ absl::StatusOr<std::string> ReadServiceToken(const std::string& path, bool for_s
   struct stat st;
   std::string text(kMaxTokenChars + 2, '\0');
   absl::Status status = absl::OkStatus();
-  if (fstat(fd, &st) != 0) {
+  if (fstat(fd.get(), &st) != 0) {
     status = absl::UnavailableError(absl::StrCat("fstat ", path, ": ", std::strerror(errno)));
   } else if (!S_ISREG(st.st_mode)) {
     status = absl::FailedPreconditionError(
@@ -92,11 +93,11 @@ absl::StatusOr<std::string> ReadServiceToken(const std::string& path, bool for_s
   }
   ssize_t n = 0;
   if (status.ok()) {
-    n = read(fd, text.data(), text.size());
+    n = read(fd.get(), text.data(), text.size());
     if (n < 0)
       status = absl::UnavailableError(absl::StrCat("read ", path, ": ", std::strerror(errno)));
   }
-  close(fd);
+  fd.reset();
   if (!status.ok()) return status;
   text.resize(static_cast<size_t>(n));
   const size_t eol = text.find('\n');

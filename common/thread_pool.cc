@@ -5,16 +5,16 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <condition_variable>
 #include <cstdint>
 #include <cstring>
-#include <mutex>
 #include <string>
 #include <thread>
 #include <utility>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
 
 namespace slidedp {
 namespace {
@@ -60,35 +60,32 @@ absl::Status PinCurrentThread(int cpu) {
 
 // Workers sleep on a condition variable between calls (no spinning while idle). Each call bumps
 // `generation`; a worker runs its range once per generation it sees and reports completion by
-// decrementing `pending`.
-//
-// std::mutex rather than absl::Mutex: Debian's abseil is not built with ThreadSanitizer, so TSan
-// builds (SLIDEDP_TSAN) cannot see absl::Mutex's synchronization and report false races; the
-// pthread-based std::mutex is intercepted.
+// decrementing `pending`. (TSan builds see absl::Mutex: scripts/tsan.sh rebuilds abseil's
+// synchronization library instrumented.)
 struct ThreadPool::Impl {
   int num_threads = 0;  // immutable after Create
 
-  std::mutex call_mu;  // serializes ParallelFor callers
+  absl::Mutex call_mu;  // serializes ParallelFor callers; taken before mu
 
-  std::mutex mu;                    // guards every field below up to `threads`
-  std::condition_variable work_cv;  // generation or stop changed
-  std::condition_variable done_cv;  // pending reached 0, or a worker started
-  uint64_t generation = 0;
-  bool stop = false;
-  int pending = 0;
-  size_t n = 0;
-  size_t align = 1;
-  const std::function<void(size_t, size_t, int)>* fn = nullptr;
+  absl::Mutex mu ABSL_ACQUIRED_AFTER(call_mu);
+  absl::CondVar work_cv;  // generation or stop changed
+  absl::CondVar done_cv;  // pending reached 0, or a worker started
+  uint64_t generation ABSL_GUARDED_BY(mu) = 0;
+  bool stop ABSL_GUARDED_BY(mu) = false;
+  int pending ABSL_GUARDED_BY(mu) = 0;
+  size_t n ABSL_GUARDED_BY(mu) = 0;
+  size_t align ABSL_GUARDED_BY(mu) = 1;
+  const std::function<void(size_t, size_t, int)>* fn ABSL_GUARDED_BY(mu) = nullptr;
 
   // Start-up handshake: each worker reports its pinning result once.
-  int started = 0;
-  absl::Status start_status;
+  int started ABSL_GUARDED_BY(mu) = 0;
+  absl::Status start_status ABSL_GUARDED_BY(mu);
 
   // Owned by the thread that runs Create and the destructor.
   std::vector<std::thread> threads;
 
-  void WorkerMain(int index, int cpu, const std::string& name);
-  void StopAndJoin();
+  void WorkerMain(int index, int cpu, const std::string& name) ABSL_LOCKS_EXCLUDED(mu);
+  void StopAndJoin() ABSL_LOCKS_EXCLUDED(mu);
 };
 
 void ThreadPool::Impl::WorkerMain(int index, int cpu, const std::string& name) {
@@ -97,20 +94,20 @@ void ThreadPool::Impl::WorkerMain(int index, int cpu, const std::string& name) {
   absl::Status pin_status = cpu >= 0 ? PinCurrentThread(cpu) : absl::OkStatus();
   uint64_t seen_generation = 0;
   {
-    std::lock_guard<std::mutex> lock(mu);
+    absl::MutexLock lock(&mu);
     if (!pin_status.ok() && start_status.ok()) start_status = std::move(pin_status);
     ++started;
     seen_generation = generation;
   }
-  done_cv.notify_all();
+  done_cv.SignalAll();
 
   for (;;) {
     size_t job_n = 0;
     size_t job_align = 1;
     const std::function<void(size_t, size_t, int)>* job = nullptr;
     {
-      std::unique_lock<std::mutex> lock(mu);
-      work_cv.wait(lock, [&] { return stop || generation != seen_generation; });
+      absl::MutexLock lock(&mu);
+      while (!stop && generation == seen_generation) work_cv.Wait(&mu);
       if (stop) return;
       seen_generation = generation;
       job_n = n;
@@ -123,19 +120,19 @@ void ThreadPool::Impl::WorkerMain(int index, int cpu, const std::string& name) {
     if (begin < end) (*job)(begin, end, index);
     bool last = false;
     {
-      std::lock_guard<std::mutex> lock(mu);
+      absl::MutexLock lock(&mu);
       last = --pending == 0;
     }
-    if (last) done_cv.notify_all();
+    if (last) done_cv.SignalAll();
   }
 }
 
 void ThreadPool::Impl::StopAndJoin() {
   {
-    std::lock_guard<std::mutex> lock(mu);
+    absl::MutexLock lock(&mu);
     stop = true;
   }
-  work_cv.notify_all();
+  work_cv.SignalAll();
   for (std::thread& t : threads) {
     if (t.joinable()) t.join();
   }
@@ -167,8 +164,8 @@ absl::StatusOr<std::unique_ptr<ThreadPool>> ThreadPool::Create(const Options& op
   }
   absl::Status start_status;
   {
-    std::unique_lock<std::mutex> lock(impl->mu);
-    impl->done_cv.wait(lock, [&] { return impl->started == impl->num_threads; });
+    absl::MutexLock lock(&impl->mu);
+    while (impl->started != impl->num_threads) impl->done_cv.Wait(&impl->mu);
     start_status = impl->start_status;
   }
   if (!start_status.ok()) {
@@ -187,18 +184,18 @@ int ThreadPool::size() const { return impl_->num_threads; }
 void ThreadPool::ParallelFor(size_t n, size_t align,
                              const std::function<void(size_t begin, size_t end, int thread)>& fn) {
   if (n == 0) return;
-  std::lock_guard<std::mutex> call_lock(impl_->call_mu);
+  absl::MutexLock call_lock(&impl_->call_mu);
   {
-    std::lock_guard<std::mutex> lock(impl_->mu);
+    absl::MutexLock lock(&impl_->mu);
     impl_->n = n;
     impl_->align = align == 0 ? 1 : align;
     impl_->fn = &fn;
     impl_->pending = impl_->num_threads;
     ++impl_->generation;
   }
-  impl_->work_cv.notify_all();
-  std::unique_lock<std::mutex> lock(impl_->mu);
-  impl_->done_cv.wait(lock, [&] { return impl_->pending == 0; });
+  impl_->work_cv.SignalAll();
+  absl::MutexLock lock(&impl_->mu);
+  while (impl_->pending != 0) impl_->done_cv.Wait(&impl_->mu);
   impl_->fn = nullptr;
 }
 

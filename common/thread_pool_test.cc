@@ -5,11 +5,11 @@
 
 #include <atomic>
 #include <cstddef>
-#include <mutex>
 #include <string>
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/synchronization/mutex.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 
@@ -32,10 +32,10 @@ std::unique_ptr<ThreadPool> MakePool(int threads, std::vector<int> cpus = {}) {
 }
 
 std::vector<Range> Collect(ThreadPool& pool, size_t n, size_t align) {
-  std::mutex mu;
+  absl::Mutex mu;
   std::vector<Range> ranges;
   pool.ParallelFor(n, align, [&](size_t begin, size_t end, int thread) {
-    std::lock_guard<std::mutex> lock(mu);
+    absl::MutexLock lock(&mu);
     ranges.push_back({begin, end, thread});
   });
   return ranges;
@@ -152,12 +152,12 @@ TEST(ThreadPoolTest, ThreadNamesAreSetAndShort) {
   options.name = "a-very-long-worker-name";
   absl::StatusOr<std::unique_ptr<ThreadPool>> pool = ThreadPool::Create(options);
   ASSERT_TRUE(pool.ok()) << pool.status();
-  std::mutex mu;
+  absl::Mutex mu;
   std::vector<std::string> names;
   (*pool)->ParallelFor(12, 1, [&](size_t, size_t, int thread) {
     char name[32] = {};
     ASSERT_EQ(pthread_getname_np(pthread_self(), name, sizeof(name)), 0);
-    std::lock_guard<std::mutex> lock(mu);
+    absl::MutexLock lock(&mu);
     names.push_back(name);
   });
   ASSERT_EQ(names.size(), 12u);

@@ -37,17 +37,18 @@
 
 #include <atomic>
 #include <chrono>
-#include <condition_variable>
 #include <cstdint>
 #include <functional>
 #include <map>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "common/mapping.h"
 #include "hostd/checkpoint_stats.h"
 #include "hostd/state.h"
 #include "model/checkpoint_format.h"
@@ -186,73 +187,76 @@ class Checkpointer {
   // writer writes it from the live state; kDone: written; kAwaitingClient: a client-updated
   // layer whose version-t state the ranks have not uploaded yet (becomes kPending).
   enum class LayerState { kPending, kCopying, kSnapshotted, kWritingLive, kDone, kAwaitingClient };
-  // Anonymous memory, unmapped when freed.
-  struct Unmap {
-    size_t bytes;  // no initializer: a default member initializer makes unique_ptr's default
-                   // constructor unusable inside this still-incomplete class
-    void operator()(float* p) const;
-  };
   struct Snapshot {
-    std::unique_ptr<float[], Unmap> data;  // master | m | v
+    Mapping data;  // anonymous memory: master | m | v as floats
     uint64_t numel = 0;
   };
   // Empty when the host has no memory for it (mmap failed).
-  Snapshot AllocateSnapshot(uint64_t numel);
+  Snapshot AllocateSnapshot(uint64_t numel) ABSL_LOCKS_EXCLUDED(mu_);
   // A capture got no memory for `layer`'s snapshot: the layer is pending again and the pool
   // shrinks to what is in use, so the writer writes the rest from the live state.
-  void NoRoomLocked(uint32_t layer, uint64_t bytes);
+  void NoRoomLocked(uint32_t layer, uint64_t bytes) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // A kept buffer for `numel` elements (empty when none); a buffer back to the kept ones (or
   // freed when keep_snapshot_pool is off).
-  Snapshot TakeKeptLocked(uint64_t numel);
-  void KeepLocked(Snapshot s);
+  Snapshot TakeKeptLocked(uint64_t numel) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void KeepLocked(Snapshot s) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The room a checkpoint starting now gets (snapshot_pool_at_start or snapshot_pool_bytes).
-  uint64_t PoolSizeLocked() const;
+  uint64_t PoolSizeLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Frees kept buffers until at most `bytes` are kept.
-  void TrimKeptLocked(uint64_t bytes);
+  void TrimKeptLocked(uint64_t bytes) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The checkpoint in flight fails now with `status` (recorded for Wait, counted, logged); the
   // writer stops at its next layer and removes the .tmp directory; updates pass the hook.
-  void FailInFlightLocked(absl::Status status);
+  void FailInFlightLocked(absl::Status status) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
-  void Run();
-  void RunCheckpoint(std::unique_lock<std::mutex>& lock);
-  void RunPrepare();
+  // The writer thread's loop, and one checkpoint of it (mu_ held, released around the copies,
+  // the writes and the commit).
+  void Run() ABSL_LOCKS_EXCLUDED(mu_);
+  void RunCheckpoint() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The preparer thread (PreparePool): allocates and faults in buffers, mu_ released around
+  // each buffer's page faults.
+  void RunPrepare() ABSL_LOCKS_EXCLUDED(mu_);
+  void PrepareLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   TrainingState* const state_;
   ThreadPool* const pool_;
   const Options options_;
 
-  mutable std::mutex mu_;
-  std::condition_variable cv_;
-  bool stop_ = false;
-  // The checkpoint in flight (active_), guarded by mu_.
-  bool active_ = false;
-  bool preparing_ = false;  // the preparer thread runs
-  uint64_t step_ = 0;
-  std::string dir_;
-  model::CheckpointScope scope_;
-  model::CheckpointInfo info_;
-  std::string cancel_reason_;
+  mutable absl::Mutex mu_;
+  absl::CondVar cv_;  // any of the state below changed
+  bool stop_ ABSL_GUARDED_BY(mu_) = false;
+  // The checkpoint in flight (active_).
+  bool active_ ABSL_GUARDED_BY(mu_) = false;
+  bool preparing_ ABSL_GUARDED_BY(mu_) = false;  // the preparer thread runs
+  uint64_t step_ ABSL_GUARDED_BY(mu_) = 0;
+  std::string dir_ ABSL_GUARDED_BY(mu_);
+  model::CheckpointScope scope_ ABSL_GUARDED_BY(mu_);
+  model::CheckpointInfo info_ ABSL_GUARDED_BY(mu_);
+  std::string cancel_reason_ ABSL_GUARDED_BY(mu_);
   // The checkpoint in flight has failed (FailInFlightLocked) while its writer still runs.
-  bool failed_ = false;
-  std::vector<LayerState> layers_;
-  std::map<uint32_t, Snapshot> snapshots_;
-  std::multimap<uint64_t, Snapshot> kept_;  // by numel; buffers of earlier checkpoints
-  uint64_t kept_bytes_ = 0;
-  uint64_t pool_used_ = 0;
-  uint64_t pool_bytes_ = 0;    // the checkpoint in flight's room for copies
-  int64_t wanted_layer_ = -1;  // the layer an update waits for
+  bool failed_ ABSL_GUARDED_BY(mu_) = false;
+  std::vector<LayerState> layers_ ABSL_GUARDED_BY(mu_);
+  std::map<uint32_t, Snapshot> snapshots_ ABSL_GUARDED_BY(mu_);
+  // By numel; buffers of earlier checkpoints.
+  std::multimap<uint64_t, Snapshot> kept_ ABSL_GUARDED_BY(mu_);
+  uint64_t kept_bytes_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t pool_used_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t pool_bytes_ ABSL_GUARDED_BY(mu_) = 0;    // the checkpoint in flight's room for copies
+  int64_t wanted_layer_ ABSL_GUARDED_BY(mu_) = -1;  // the layer an update waits for
   // Read by the writer's pacing without mu_: an update waits (wanted_layer_ >= 0), Unpace.
   std::atomic<bool> update_waiting_{false};
   std::atomic<bool> unpaced_{false};
-  bool next_step_begun_ = false;  // an update of step t + 1 has reached the hook
-  std::chrono::steady_clock::time_point started_;
+  // An update of step t + 1 has reached the hook.
+  bool next_step_begun_ ABSL_GUARDED_BY(mu_) = false;
+  std::chrono::steady_clock::time_point started_ ABSL_GUARDED_BY(mu_);
   // Results by step, for Wait.
-  std::map<uint64_t, absl::StatusOr<CheckpointResult>> results_;
-  CheckpointResult last_;
-  int64_t last_unix_ms_ = 0;
-  CheckpointStats stats_;
-  std::thread writer_;    // started by the constructor, joined by the destructor
-  std::thread preparer_;  // PreparePool's, joined by the next PreparePool or the destructor
+  std::map<uint64_t, absl::StatusOr<CheckpointResult>> results_ ABSL_GUARDED_BY(mu_);
+  CheckpointResult last_ ABSL_GUARDED_BY(mu_);
+  int64_t last_unix_ms_ ABSL_GUARDED_BY(mu_) = 0;
+  CheckpointStats stats_ ABSL_GUARDED_BY(mu_);
+  std::thread writer_;  // started by the constructor, joined by the destructor
+  // PreparePool's, started and joined (once done) by the next PreparePool under mu_, or joined
+  // by the destructor after the writer.
+  std::thread preparer_;
 };
 
 }  // namespace slidedp::hostd

@@ -7,19 +7,20 @@
 #include <xxhash.h>
 
 #include <chrono>
-#include <condition_variable>
 #include <csignal>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <future>
-#include <mutex>
 #include <random>
 #include <set>
 #include <sstream>
 #include <thread>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/strings/str_format.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
 #include "common/thread_pool.h"
 #include "gtest/gtest.h"
 #include "hostd/config.h"
@@ -676,20 +677,22 @@ TEST_F(CheckpointTest, FailedWriteKeepsThePreviousCheckpointAndTheState) {
 // commits, and the same step checkpoints afterwards.
 TEST_F(CheckpointTest, HungWriteFailsTheCheckpointAfterCaptureTimeoutAndTheUpdateGoesOn) {
   auto state = NewState(1);
-  std::mutex mu;
-  std::condition_variable cv;
-  bool hang = false, hung = false, release = false;
+  struct {
+    absl::Mutex mu;
+    bool hang ABSL_GUARDED_BY(mu) = false;
+    bool hung ABSL_GUARDED_BY(mu) = false;
+    bool release ABSL_GUARDED_BY(mu) = false;
+  } disk;
   Checkpointer::Options o;
   o.keep_last = 0;
   o.snapshot_pool_bytes = 0;
   o.capture_timeout_ms = 50;
   o.writer.trace = [&](std::string_view op, const std::string& path) {
     if (op != "write" || fs::path(path).filename() != "layer-00001.bin") return;
-    std::unique_lock<std::mutex> l(mu);
-    if (!hang) return;
-    hung = true;
-    cv.notify_all();
-    cv.wait(l, [&] { return release; });
+    absl::MutexLock l(&disk.mu);
+    if (!disk.hang) return;
+    disk.hung = true;
+    disk.mu.Await(absl::Condition(&disk.release));
   };
   std::ostringstream log;
   auto logger = std::make_shared<spdlog::logger>(
@@ -709,13 +712,13 @@ TEST_F(CheckpointTest, HungWriteFailsTheCheckpointAfterCaptureTimeoutAndTheUpdat
     state->PublishLayer(l, 1);
   }
   {
-    std::lock_guard<std::mutex> l(mu);
-    hang = true;
+    absl::MutexLock l(&disk.mu);
+    disk.hang = true;
   }
   ASSERT_TRUE(cp.Start(dir_.string(), 1, Describe(*state)).ok());
   {
-    std::unique_lock<std::mutex> l(mu);
-    ASSERT_TRUE(cv.wait_for(l, std::chrono::seconds(60), [&] { return hung; }));
+    absl::MutexLock l(&disk.mu);
+    ASSERT_TRUE(disk.mu.AwaitWithTimeout(absl::Condition(&disk.hung), absl::Seconds(60)));
   }
   // The update of layer 1 for step 2. On a bounded wait it returns while the write still hangs;
   // the guard only keeps a wait without a deadline from hanging the test.
@@ -748,11 +751,10 @@ TEST_F(CheckpointTest, HungWriteFailsTheCheckpointAfterCaptureTimeoutAndTheUpdat
     EXPECT_EQ(latest->step, 0u);
   }
   {
-    std::lock_guard<std::mutex> l(mu);
-    release = true;
-    hang = false;
+    absl::MutexLock l(&disk.mu);
+    disk.release = true;
+    disk.hang = false;
   }
-  cv.notify_all();
   update.wait();
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
   while (cp.in_flight() && std::chrono::steady_clock::now() < deadline) {

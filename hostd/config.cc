@@ -25,6 +25,7 @@
 #include "absl/strings/str_split.h"
 #include "common/status_macros.h"
 #include "common/tcp_auth.h"
+#include "model/hyper_params.h"
 #include "model/job_spec.h"
 #include "toml++/toml.h"
 
@@ -313,6 +314,35 @@ KeyDescriptor SizeKey(std::string name, std::string section, std::string help,
           [get](const HostdConfig& c) { return FormatSize(get(c)); }};
 }
 
+// An optimizer key from its row of the hyperparameter table; the row lives as long as the
+// process (model::HyperParams()).
+KeyDescriptor HyperParamKey(const model::HyperParam& p, std::string section) {
+  const model::HyperParam* row = &p;
+  switch (p.type) {
+    case model::HyperParamType::kDouble:
+      return DoubleKey(
+          p.name, std::move(section), p.help,
+          [row](const HostdConfig& c) { return row->get_double(c.optimizer); },
+          [row](HostdConfig& c, double v) { row->set_double(&c.optimizer, v); });
+    case model::HyperParamType::kUint:
+      return UintKey(
+          p.name, std::move(section), p.help, std::numeric_limits<uint64_t>::max(),
+          [row](const HostdConfig& c) { return row->get_uint(c.optimizer); },
+          [row](HostdConfig& c, uint64_t v) { row->set_uint(&c.optimizer, v); });
+    case model::HyperParamType::kBool:
+      return BoolKey(
+          p.name, std::move(section), p.help,
+          [row](const HostdConfig& c) { return row->get_bool(c.optimizer); },
+          [row](HostdConfig& c, bool v) { row->set_bool(&c.optimizer, v); });
+    case model::HyperParamType::kEnum:
+      return ProtoEnumKey<int>(
+          p.name, std::move(section), p.help, p.choices, p.unset_name,
+          [row](const HostdConfig& c) { return row->get_enum(c.optimizer); },
+          [row](HostdConfig& c, int v) { row->set_enum(&c.optimizer, v); });
+  }
+  __builtin_unreachable();  // every HyperParamType is handled above
+}
+
 // ---------------------------------------------------------------------------------------------
 // The one table of keys: flags, environment, file, help, --print-config and GetConfig all
 // derive from it.
@@ -381,72 +411,9 @@ std::vector<KeyDescriptor> BuildKeys() {
       "contains '/' or ends in .safetensors; write ./NAME for a directory in the current one).",
       &HostdConfig::init));
 
+  // The optimizer's keys are the rows of model/hyper_params.h, in its order.
   const std::string opt = "Optimizer (AdamW)";
-  k.push_back(DoubleKey(
-      "lr", opt, "Peak learning rate, >= 0.", [](const HostdConfig& c) { return c.optimizer.lr(); },
-      [](HostdConfig& c, double v) { c.optimizer.set_lr(v); }));
-  k.push_back(DoubleKey(
-      "beta1", opt, "Adam beta1, in [0, 1).",
-      [](const HostdConfig& c) { return c.optimizer.beta1(); },
-      [](HostdConfig& c, double v) { c.optimizer.set_beta1(v); }));
-  k.push_back(DoubleKey(
-      "beta2", opt, "Adam beta2, in [0, 1).",
-      [](const HostdConfig& c) { return c.optimizer.beta2(); },
-      [](HostdConfig& c, double v) { c.optimizer.set_beta2(v); }));
-  k.push_back(DoubleKey(
-      "eps", opt, "Adam epsilon, > 0.", [](const HostdConfig& c) { return c.optimizer.eps(); },
-      [](HostdConfig& c, double v) { c.optimizer.set_eps(v); }));
-  k.push_back(DoubleKey(
-      "weight_decay", opt, "Decoupled weight decay, >= 0.",
-      [](const HostdConfig& c) { return c.optimizer.weight_decay(); },
-      [](HostdConfig& c, double v) { c.optimizer.set_weight_decay(v); }));
-  k.push_back(BoolKey(
-      "no_decay_norms_and_biases", opt, "Exclude norm weights and biases from weight decay.",
-      [](const HostdConfig& c) { return c.optimizer.no_decay_norms_and_biases(); },
-      [](HostdConfig& c, bool v) { c.optimizer.set_no_decay_norms_and_biases(v); }));
-  k.push_back(ProtoEnumKey<slidedp::v1::LrScheduleKind>(
-      "schedule", opt,
-      "Learning-rate schedule after warmup: constant, linear or cosine decay to "
-      "min_lr_ratio * lr at total_steps.",
-      {{"constant", slidedp::v1::LR_SCHEDULE_CONSTANT},
-       {"linear", slidedp::v1::LR_SCHEDULE_LINEAR},
-       {"cosine", slidedp::v1::LR_SCHEDULE_COSINE}},
-      "constant", [](const HostdConfig& c) { return c.optimizer.schedule(); },
-      [](HostdConfig& c, slidedp::v1::LrScheduleKind v) { c.optimizer.set_schedule(v); }));
-  k.push_back(UintKey(
-      "warmup_steps", opt, "Linear warmup steps from 0 to lr.", kU64,
-      [](const HostdConfig& c) { return c.optimizer.warmup_steps(); },
-      [](HostdConfig& c, uint64_t v) { c.optimizer.set_warmup_steps(v); }));
-  k.push_back(UintKey(
-      "total_steps", opt, "Step at which linear/cosine decay reaches its floor; 0: no decay.", kU64,
-      [](const HostdConfig& c) { return c.optimizer.total_steps(); },
-      [](HostdConfig& c, uint64_t v) { c.optimizer.set_total_steps(v); }));
-  k.push_back(DoubleKey(
-      "min_lr_ratio", opt, "Floor of the decay as a fraction of lr, in [0, 1].",
-      [](const HostdConfig& c) { return c.optimizer.min_lr_ratio(); },
-      [](HostdConfig& c, double v) { c.optimizer.set_min_lr_ratio(v); }));
-  k.push_back(ProtoEnumKey<slidedp::v1::ClipPolicy>(
-      "clip", opt,
-      "Gradient clipping: none, per_layer (each layer to max_grad_norm by itself) or global "
-      "(exact global norm; updates wait for every layer's gradient).",
-      {{"none", slidedp::v1::CLIP_POLICY_NONE},
-       {"per_layer", slidedp::v1::CLIP_POLICY_PER_LAYER},
-       {"global", slidedp::v1::CLIP_POLICY_GLOBAL}},
-      "none", [](const HostdConfig& c) { return c.optimizer.clip(); },
-      [](HostdConfig& c, slidedp::v1::ClipPolicy v) { c.optimizer.set_clip(v); }));
-  k.push_back(DoubleKey(
-      "max_grad_norm", opt, "Clipping threshold, > 0.",
-      [](const HostdConfig& c) { return c.optimizer.max_grad_norm(); },
-      [](HostdConfig& c, double v) { c.optimizer.set_max_grad_norm(v); }));
-  k.push_back(ProtoEnumKey<slidedp::v1::DType>(
-      "grad_dtype", opt, "dtype of the gradients ranks push.",
-      {{"bf16", slidedp::v1::DTYPE_BF16}, {"fp32", slidedp::v1::DTYPE_FP32}}, "unspecified",
-      [](const HostdConfig& c) { return c.optimizer.grad_dtype(); },
-      [](HostdConfig& c, slidedp::v1::DType v) { c.optimizer.set_grad_dtype(v); }));
-  k.push_back(BoolKey(
-      "scale_by_world_size", opt, "Multiply the aggregated gradient by 1/world_size.",
-      [](const HostdConfig& c) { return c.optimizer.scale_by_world_size(); },
-      [](HostdConfig& c, bool v) { c.optimizer.set_scale_by_world_size(v); }));
+  for (const model::HyperParam& p : model::HyperParams()) k.push_back(HyperParamKey(p, opt));
 
   const std::string routes = "Routes";
   k.push_back(ProtoEnumKey<slidedp::v1::ParamRoute>(

@@ -21,6 +21,7 @@
 #include "absl/strings/str_join.h"
 #include "common/status_macros.h"
 #include "common/thread_pool.h"
+#include "common/unique_fd.h"
 #include "common/version.h"
 #include "hostd/state.h"
 #include "model/manifest.h"
@@ -47,35 +48,9 @@ absl::Status ErrnoAt(absl::string_view what, const std::string& path, int err = 
   return ErrnoStatus(absl::StrCat(what, " ", path), err);
 }
 
-// A file descriptor, closed on destruction.
-class Fd {
- public:
-  explicit Fd(int fd = -1) : fd_(fd) {}
-  Fd(Fd&& o) noexcept : fd_(std::exchange(o.fd_, -1)) {}
-  Fd& operator=(Fd&& o) noexcept {
-    if (this != &o) {
-      Reset();
-      fd_ = std::exchange(o.fd_, -1);
-    }
-    return *this;
-  }
-  Fd(const Fd&) = delete;
-  Fd& operator=(const Fd&) = delete;
-  ~Fd() { Reset(); }
-  int get() const { return fd_; }
-  int Release() { return std::exchange(fd_, -1); }
-  void Reset() {
-    if (fd_ >= 0) close(fd_);
-    fd_ = -1;
-  }
-
- private:
-  int fd_;
-};
-
 absl::Status FsyncPath(const std::string& path, bool directory) {
-  Fd fd(open(path.c_str(), (directory ? O_RDONLY | O_DIRECTORY : O_RDONLY) | O_CLOEXEC));
-  if (fd.get() < 0) return ErrnoAt("open", path);
+  UniqueFd fd(open(path.c_str(), (directory ? O_RDONLY | O_DIRECTORY : O_RDONLY) | O_CLOEXEC));
+  if (!fd.valid()) return ErrnoAt("open", path);
   if (fsync(fd.get()) != 0) return ErrnoAt("fsync", path);
   return absl::OkStatus();
 }
@@ -84,8 +59,8 @@ absl::Status FsyncPath(const std::string& path, bool directory) {
 class OutFile {
  public:
   static absl::StatusOr<OutFile> Create(std::string path) {
-    Fd fd(open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644));
-    if (fd.get() < 0) return ErrnoAt("create", path);
+    UniqueFd fd(open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644));
+    if (!fd.valid()) return ErrnoAt("create", path);
     return OutFile(std::move(path), std::move(fd));
   }
   absl::Status Write(const void* data, size_t n) {
@@ -105,14 +80,13 @@ class OutFile {
   // fsync, then close (a close error after a failed writeback is reported too).
   absl::Status Finish() {
     if (fsync(fd_.get()) != 0) return ErrnoAt("fsync", path_);
-    if (close(fd_.Release()) != 0) return ErrnoAt("close", path_);
-    return absl::OkStatus();
+    return fd_.Close(path_);
   }
 
  private:
-  OutFile(std::string path, Fd fd) : path_(std::move(path)), fd_(std::move(fd)) {}
+  OutFile(std::string path, UniqueFd fd) : path_(std::move(path)), fd_(std::move(fd)) {}
   std::string path_;
-  Fd fd_;
+  UniqueFd fd_;
 };
 
 absl::Status WriteTextFile(const std::string& path, std::string_view text) {

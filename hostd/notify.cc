@@ -4,6 +4,7 @@
 
 #include <cstdlib>
 
+#include "absl/time/time.h"
 #include "spdlog/spdlog.h"
 
 namespace slidedp::hostd {
@@ -29,7 +30,7 @@ void ServiceNotifier::Send(const std::string& state) {
 
 void ServiceNotifier::Status(const std::string& status) {
   {
-    std::lock_guard<std::mutex> l(mu_);
+    absl::MutexLock l(&mu_);
     last_status_ = status;
   }
   Send("STATUS=" + status);
@@ -42,22 +43,23 @@ void ServiceNotifier::Stopping() { Send("STOPPING=1\nSTATUS=stopping"); }
 void ServiceNotifier::Loop(std::thread* t, bool* stop, std::chrono::milliseconds period,
                            std::function<void()> tick) {
   *t = std::thread([this, stop, period, tick = std::move(tick)] {
-    std::unique_lock<std::mutex> l(mu_);
-    while (!*stop) {
-      l.unlock();
+    for (;;) {
+      {
+        absl::MutexLock l(&mu_);
+        if (*stop) return;
+      }
       tick();
-      l.lock();
-      cv_.wait_for(l, period, [stop] { return *stop; });
+      absl::MutexLock l(&mu_);
+      if (mu_.AwaitWithTimeout(absl::Condition(stop), absl::FromChrono(period))) return;
     }
   });
 }
 
 void ServiceNotifier::Join(std::thread* t, bool* stop) {
   {
-    std::lock_guard<std::mutex> l(mu_);
+    absl::MutexLock l(&mu_);
     *stop = true;
   }
-  cv_.notify_all();
   if (t->joinable()) t->join();
 }
 
@@ -68,7 +70,7 @@ void ServiceNotifier::Start(std::function<absl::StatusOr<std::string>()> probe,
                           ? std::chrono::duration_cast<std::chrono::milliseconds>(watchdog_ / 2)
                           : status_every;
   {
-    std::lock_guard<std::mutex> l(mu_);
+    absl::MutexLock l(&mu_);
     stop_ = false;
   }
   Loop(&thread_, &stop_, period, [this, probe = std::move(probe)] {
@@ -87,14 +89,14 @@ void ServiceNotifier::Stop() { Join(&thread_, &stop_); }
 void ServiceNotifier::StartKeepalive(std::chrono::milliseconds period) {
   if (!enabled_ || keepalive_.joinable()) return;
   {
-    std::lock_guard<std::mutex> l(mu_);
+    absl::MutexLock l(&mu_);
     keepalive_stop_ = false;
   }
   const auto extend = std::chrono::duration_cast<std::chrono::microseconds>(3 * period);
   Loop(&keepalive_, &keepalive_stop_, period, [this, extend] {
     std::string status;
     {
-      std::lock_guard<std::mutex> l(mu_);
+      absl::MutexLock l(&mu_);
       status = last_status_;
     }
     Send("EXTEND_TIMEOUT_USEC=" + std::to_string(extend.count()) +

@@ -13,18 +13,20 @@
 //               READY (TimeoutStartSec=) and the final checkpoint after STOPPING=1
 //               (TimeoutStopSec=);
 //   STOPPING=1  when a stop signal arrives.
-// Thread safety: Status/Ready/Stopping from any thread; Start/Stop from the main thread.
+// Thread safety: Status/Ready/Stopping from any thread; Start/Stop and StartKeepalive/StopKeepalive
+// from the main thread. The stop flags and the last status are guarded by mu_; the threads are
+// owned (started and joined) by the main thread.
 #pragma once
 
 #include <atomic>
 #include <chrono>
-#include <condition_variable>
 #include <functional>
-#include <mutex>
 #include <string>
 #include <thread>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
 
 namespace slidedp::hostd {
 
@@ -59,18 +61,19 @@ class ServiceNotifier {
 
  private:
   void Send(const std::string& state);
-  // Runs `tick` every `period` on thread `t` until `stop` (guarded by mu_) is set.
+  // Runs `tick` every `period` on thread `t` until `*stop` is set; `stop` is stop_ or
+  // keepalive_stop_, read and written only under mu_.
   void Loop(std::thread* t, bool* stop, std::chrono::milliseconds period,
             std::function<void()> tick);
-  void Join(std::thread* t, bool* stop);
+  // Sets `*stop` (under mu_, which wakes the loop's Await) and joins `t`.
+  void Join(std::thread* t, bool* stop) ABSL_LOCKS_EXCLUDED(mu_);
 
   bool enabled_ = false;
   std::chrono::microseconds watchdog_{0};
-  std::mutex mu_;
-  std::condition_variable cv_;
-  bool stop_ = false;            // guarded by mu_
-  bool keepalive_stop_ = false;  // guarded by mu_
-  std::string last_status_;      // guarded by mu_
+  absl::Mutex mu_;
+  bool stop_ ABSL_GUARDED_BY(mu_) = false;
+  bool keepalive_stop_ ABSL_GUARDED_BY(mu_) = false;
+  std::string last_status_ ABSL_GUARDED_BY(mu_);
   std::thread thread_;
   std::thread keepalive_;
 };

@@ -37,12 +37,10 @@
 // thread that calls AbortStep), never under the worker's lock.
 #pragma once
 
-#include <condition_variable>
 #include <cstdint>
 #include <deque>
 #include <functional>
 #include <map>
-#include <mutex>
 #include <optional>
 #include <thread>
 #include <vector>
@@ -180,7 +178,7 @@ class UpdateWorker {
     LayerUpdateResult result;
     DoneFn done;
   };
-  // What submitters may still send for a streamed layer; guarded by mu_.
+  // What submitters may still send for a streamed layer (open_streams_).
   struct OpenStream {
     uint64_t step = 0;
     uint64_t elements_submitted = 0;

@@ -8,11 +8,12 @@
 #include <functional>
 #include <future>
 #include <limits>
-#include <mutex>
 #include <numbers>
 #include <random>
 #include <thread>
 
+#include "absl/base/thread_annotations.h"
+#include "absl/synchronization/mutex.h"
 #include "common/thread_pool.h"
 #include "gtest/gtest.h"
 #include "hostd/test_util.h"
@@ -412,12 +413,14 @@ TEST(UpdateWorkerTest, EverySealOfBackToBackAbortsRunsInStepOrder) {
   auto g0 = RandomBf16(f.state->layers()[0].numel, 1);
   ASSERT_TRUE(
       f.worker->Submit(0, 1, {g0.data(), kernels::GradType::kBf16, g0.size()}, nullptr).ok());
-  std::vector<int> order;
-  std::mutex mu;
+  struct {
+    absl::Mutex mu;
+    std::vector<int> order ABSL_GUARDED_BY(mu);
+  } seals;
   auto note = [&](int tag) {
     return [&, tag] {
-      std::lock_guard<std::mutex> lock(mu);
-      order.push_back(tag);
+      absl::MutexLock lock(&seals.mu);
+      seals.order.push_back(tag);
     };
   };
   // Not started: every seal is still queued when the next abort comes.
@@ -426,7 +429,10 @@ TEST(UpdateWorkerTest, EverySealOfBackToBackAbortsRunsInStepOrder) {
   f.worker->AbortStep(2, note(3));
   f.worker->Start();
   f.worker->Stop();
-  EXPECT_EQ(order, (std::vector<int>{1, 2, 3}));
+  {
+    absl::MutexLock lock(&seals.mu);
+    EXPECT_EQ(seals.order, (std::vector<int>{1, 2, 3}));
+  }
   EXPECT_EQ(f.state->committed_version(0), 2u);
   EXPECT_EQ(f.state->committed_version(1), 2u);
 }

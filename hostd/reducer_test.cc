@@ -21,14 +21,15 @@
 #include <functional>
 #include <future>
 #include <limits>
-#include <mutex>
 #include <random>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
 #include "common/thread_pool.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -228,7 +229,7 @@ struct Rig {
         },
         [this](uint64_t step, const std::string& reason) {
           {
-            std::lock_guard<std::mutex> l(mu);
+            absl::MutexLock l(&mu);
             errors.push_back(reason);
           }
           // What the engine does: abort the step in the reducer and the worker.
@@ -331,7 +332,7 @@ struct Rig {
   }
 
   std::vector<std::string> Errors() {
-    std::lock_guard<std::mutex> l(mu);
+    absl::MutexLock l(&mu);
     return errors;
   }
 
@@ -347,8 +348,8 @@ struct Rig {
   std::vector<uint64_t> initial;
   std::atomic<int> layers_done{0};
   std::atomic<int> sealed{0};
-  std::mutex mu;
-  std::vector<std::string> errors;
+  absl::Mutex mu;
+  std::vector<std::string> errors ABSL_GUARDED_BY(mu);
 };
 
 // Chunks in one step of every layer's shards.

@@ -19,6 +19,7 @@
 #include "common/shm_segment.h"
 #include "common/status_macros.h"
 #include "common/tcp_auth.h"
+#include "common/unique_fd.h"
 #include "slidedp/v1/control.grpc.pb.h"
 #include "spdlog/spdlog.h"
 
@@ -64,13 +65,13 @@ absl::Status PrepareSocketPath(const std::string& path) {
     return absl::FailedPreconditionError(
         absl::StrCat("socket: ", path, " exists and is not a socket; refusing to replace it"));
   }
-  const int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  if (fd < 0) return ErrnoStatus("socket(AF_UNIX)");
+  UniqueFd fd(socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
+  if (!fd.valid()) return ErrnoStatus("socket(AF_UNIX)");
   sockaddr_un addr{};
   addr.sun_family = AF_UNIX;
   std::strncpy(addr.sun_path, path.c_str(), sizeof(addr.sun_path) - 1);
-  const int rc = connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr));
-  close(fd);
+  const int rc = connect(fd.get(), reinterpret_cast<sockaddr*>(&addr), sizeof(addr));
+  fd.reset();
   if (rc == 0) {
     return absl::FailedPreconditionError(
         absl::StrCat("socket: ", path,

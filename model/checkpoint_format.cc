@@ -21,6 +21,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "common/status_macros.h"
+#include "common/unique_fd.h"
 #include "model/job_spec.h"
 #include "nlohmann/json.hpp"
 
@@ -35,27 +36,6 @@ constexpr uint64_t kPieceBytes = uint64_t{8} << 20;
 constexpr uint64_t kDirectAlign = 4096;  // O_DIRECT's alignment (covers 512-byte sectors too)
 constexpr std::string_view kStepPrefix = "step-";
 constexpr std::string_view kTmpSuffix = ".tmp";
-
-// Owns a file descriptor.
-class Fd {
- public:
-  explicit Fd(int fd = -1) : fd_(fd) {}
-  ~Fd() {
-    if (fd_ >= 0) close(fd_);
-  }
-  Fd(const Fd&) = delete;
-  Fd& operator=(const Fd&) = delete;
-  int get() const { return fd_; }
-  absl::Status Close(const std::string& path) {
-    const int fd = fd_;
-    fd_ = -1;
-    if (fd >= 0 && close(fd) != 0) return ErrnoStatus("close " + path);
-    return absl::OkStatus();
-  }
-
- private:
-  int fd_;
-};
 
 absl::Status WriteAll(int fd, const void* data, size_t n, const std::string& path,
                       XXH3_state_t* hash) {
@@ -75,16 +55,16 @@ absl::Status WriteAll(int fd, const void* data, size_t n, const std::string& pat
 }
 
 absl::Status FsyncPath(const std::string& path, bool directory) {
-  Fd fd(open(path.c_str(), (directory ? O_RDONLY | O_DIRECTORY : O_RDONLY) | O_CLOEXEC));
-  if (fd.get() < 0) return ErrnoStatus("open " + path + " for fsync");
+  UniqueFd fd(open(path.c_str(), (directory ? O_RDONLY | O_DIRECTORY : O_RDONLY) | O_CLOEXEC));
+  if (!fd.valid()) return ErrnoStatus("open " + path + " for fsync");
   if (fsync(fd.get()) != 0) return ErrnoStatus("fsync " + path);
   return fd.Close(path);
 }
 
 // Writes `text` to `path` (truncating) and fsyncs it.
 absl::Status WriteSmallFile(const std::string& path, std::string_view text) {
-  Fd fd(open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644));
-  if (fd.get() < 0) return ErrnoStatus("create " + path);
+  UniqueFd fd(open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644));
+  if (!fd.valid()) return ErrnoStatus("create " + path);
   RETURN_IF_ERROR(WriteAll(fd.get(), text.data(), text.size(), path, nullptr));
   if (fsync(fd.get()) != 0) return ErrnoStatus("fsync " + path);
   return fd.Close(path);
@@ -254,8 +234,8 @@ absl::StatusOr<uint64_t> CheckpointDirWriter::WriteLayer(uint32_t layer, uint64_
     direct = false;
     raw = open(path.c_str(), kFlags, 0644);
   }
-  Fd fd(raw);
-  if (fd.get() < 0) return ErrnoStatus("create " + path);
+  UniqueFd fd(raw);
+  if (!fd.valid()) return ErrnoStatus("create " + path);
   auto set_direct = [&](bool on) -> absl::Status {
     const int fl = fcntl(fd.get(), F_GETFL);
     if (fl < 0 || fcntl(fd.get(), F_SETFL, on ? (fl | O_DIRECT) : (fl & ~O_DIRECT)) != 0) {
@@ -581,8 +561,8 @@ absl::Status VerifyCheckpointData(const CheckpointInfo& info) {
   std::vector<char> buf(kIoBytes);
   for (const CheckpointFile& f : info.files) {
     const std::string path = (fs::path(info.path) / f.name).string();
-    Fd fd(open(path.c_str(), O_RDONLY | O_CLOEXEC));
-    if (fd.get() < 0) return ErrnoStatus("open " + path);
+    UniqueFd fd(open(path.c_str(), O_RDONLY | O_CLOEXEC));
+    if (!fd.valid()) return ErrnoStatus("open " + path);
     XXH3_state_t* st = XXH3_createState();
     XXH3_64bits_reset(st);
     uint64_t total = 0;

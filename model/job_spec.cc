@@ -27,14 +27,6 @@ std::string SizeText(uint64_t bytes) {
 
 }  // namespace
 
-std::string FormatSetting(double d) {
-  char buf[64];
-  auto [p, ec] = std::to_chars(buf, buf + sizeof(buf), d, std::chars_format::general);
-  std::string s(buf, ec == std::errc() ? p : buf);
-  if (s.find_first_of(".en") == std::string::npos) s += ".0";
-  return s;
-}
-
 std::string ShownText(absl::string_view text, size_t max_bytes) {
   std::string shown(text.substr(0, max_bytes));
   for (char& c : shown) {
@@ -45,47 +37,9 @@ std::string ShownText(absl::string_view text, size_t max_bytes) {
 }
 
 std::optional<SettingError> CheckOptimizer(const OptimizerConfig& o) {
-  const auto got = [](double v) { return absl::StrCat(", got ", FormatSetting(v)); };
-  if (!std::isfinite(o.lr()) || o.lr() < 0) {
-    return Err("lr", absl::StrCat("must be a finite number >= 0", got(o.lr())));
-  }
-  if (!(o.beta1() >= 0 && o.beta1() < 1)) {
-    return Err("beta1", absl::StrCat("must be in [0, 1)", got(o.beta1())));
-  }
-  if (!(o.beta2() >= 0 && o.beta2() < 1)) {
-    return Err("beta2", absl::StrCat("must be in [0, 1)", got(o.beta2())));
-  }
-  if (!std::isfinite(o.eps()) || o.eps() <= 0) {
-    return Err("eps", absl::StrCat("must be a finite number > 0", got(o.eps())));
-  }
-  if (!std::isfinite(o.weight_decay()) || o.weight_decay() < 0) {
-    return Err("weight_decay", absl::StrCat("must be a finite number >= 0", got(o.weight_decay())));
-  }
-  if (!slidedp::v1::LrScheduleKind_IsValid(o.schedule())) {
-    return Err("schedule", absl::StrCat("invalid value ", static_cast<int>(o.schedule()),
-                                        "; expected one of constant, linear, cosine"));
-  }
-  if (!(o.min_lr_ratio() >= 0 && o.min_lr_ratio() <= 1)) {
-    return Err("min_lr_ratio", absl::StrCat("must be in [0, 1]", got(o.min_lr_ratio())));
-  }
-  const bool decays = o.schedule() == slidedp::v1::LR_SCHEDULE_LINEAR ||
-                      o.schedule() == slidedp::v1::LR_SCHEDULE_COSINE;
-  if (decays && o.total_steps() > 0 && o.warmup_steps() > o.total_steps()) {
-    return Err("warmup_steps",
-               absl::StrCat(o.warmup_steps(), " exceeds total_steps (", o.total_steps(),
-                            "); with a decaying schedule warmup_steps must be <= total_steps"));
-  }
-  if (!slidedp::v1::ClipPolicy_IsValid(o.clip())) {
-    return Err("clip", absl::StrCat("invalid value ", static_cast<int>(o.clip()),
-                                    "; expected one of none, per_layer, global"));
-  }
-  if (!std::isfinite(o.max_grad_norm()) || o.max_grad_norm() <= 0) {
-    return Err("max_grad_norm",
-               absl::StrCat("must be a finite number > 0", got(o.max_grad_norm())));
-  }
-  if (o.grad_dtype() != slidedp::v1::DTYPE_BF16 && o.grad_dtype() != slidedp::v1::DTYPE_FP32) {
-    return Err("grad_dtype", absl::StrCat("invalid value ", static_cast<int>(o.grad_dtype()),
-                                          "; expected one of bf16, fp32"));
+  for (const HyperParam& p : HyperParams()) {
+    if (p.check == nullptr) continue;
+    if (std::optional<std::string> message = p.check(o)) return Err(p.name, *std::move(message));
   }
   return std::nullopt;
 }
@@ -154,40 +108,18 @@ absl::StatusOr<OptimizerConfig> NormalizeOptimizerConfig(const OptimizerConfig& 
 absl::StatusOr<OptimizerConfig> ApplyHyperParams(
     const OptimizerConfig& current, const OptimizerConfig& in,
     const google::protobuf::RepeatedPtrField<std::string>& fields) {
-  static constexpr char kSettable[] =
-      "lr, weight_decay, max_grad_norm, beta1, beta2, eps, warmup_steps, total_steps, "
-      "min_lr_ratio, schedule, clip";
+  const std::string& settable = UpdatableHyperParamNames();
   if (fields.empty()) {
-    return absl::InvalidArgumentError(absl::StrCat("fields: expected at least one of ", kSettable));
+    return absl::InvalidArgumentError(absl::StrCat("fields: expected at least one of ", settable));
   }
   OptimizerConfig next = current;
   for (const std::string& f : fields) {
-    if (f == "lr") {
-      next.set_lr(in.lr());
-    } else if (f == "weight_decay") {
-      next.set_weight_decay(in.weight_decay());
-    } else if (f == "max_grad_norm") {
-      next.set_max_grad_norm(in.max_grad_norm());
-    } else if (f == "beta1") {
-      next.set_beta1(in.beta1());
-    } else if (f == "beta2") {
-      next.set_beta2(in.beta2());
-    } else if (f == "eps") {
-      next.set_eps(in.eps());
-    } else if (f == "warmup_steps") {
-      next.set_warmup_steps(in.warmup_steps());
-    } else if (f == "total_steps") {
-      next.set_total_steps(in.total_steps());
-    } else if (f == "min_lr_ratio") {
-      next.set_min_lr_ratio(in.min_lr_ratio());
-    } else if (f == "schedule") {
-      next.set_schedule(in.schedule());
-    } else if (f == "clip") {
-      next.set_clip(in.clip());
-    } else {
+    const HyperParam* p = FindHyperParam(f);
+    if (p == nullptr || !p->updatable) {
       return absl::InvalidArgumentError(absl::StrCat(
-          "fields: '", ShownText(f), "' cannot be changed; expected one of ", kSettable));
+          "fields: '", ShownText(f), "' cannot be changed; expected one of ", settable));
     }
+    p->Copy(in, &next);
   }
   // What the proto names these zeros; every other zero is the value it says.
   if (next.schedule() == slidedp::v1::LR_SCHEDULE_UNSPECIFIED) {

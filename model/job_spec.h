@@ -27,6 +27,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "model/hyper_params.h"  // FormatSetting, the optimizer fields
 #include "proto/shm_abi.h"
 #include "slidedp/v1/control.pb.h"
 
@@ -67,8 +68,9 @@ absl::StatusOr<slidedp::v1::JobSpec> NormalizeJobSpec(slidedp::v1::JobSpec spec,
                                                       const slidedp::v1::Routes& default_routes);
 
 // UpdateHyperParams: `current` (a job's effective optimizer) with the settings named in `fields`
-// taken from `in`. Settable: lr, weight_decay, max_grad_norm, beta1, beta2, eps, warmup_steps,
-// total_steps, min_lr_ratio, schedule, clip (grad_dtype and the booleans are fixed by the job).
+// taken from `in`. Settable: the updatable rows of HyperParams() (hyper_params.h): lr, beta1,
+// beta2, eps, weight_decay, schedule, warmup_steps, total_steps, min_lr_ratio, clip,
+// max_grad_norm (grad_dtype and the booleans are fixed by the job).
 // A named field is a value, never "unset": beta1 0 is 0, and eps 0 or max_grad_norm 0 is refused
 // as the configuration refuses it (schedule and clip 0 are constant and none, as the proto says).
 // INVALID_ARGUMENT "fields: ..." for no field or one that cannot be changed,
@@ -76,10 +78,6 @@ absl::StatusOr<slidedp::v1::JobSpec> NormalizeJobSpec(slidedp::v1::JobSpec spec,
 absl::StatusOr<slidedp::v1::OptimizerConfig> ApplyHyperParams(
     const slidedp::v1::OptimizerConfig& current, const slidedp::v1::OptimizerConfig& in,
     const google::protobuf::RepeatedPtrField<std::string>& fields);
-
-// A double as the configuration writes it: the shortest text that reads back the same value,
-// always with '.', 'e', "inf" or "nan" (0.0001, 1.0, 1e-08).
-std::string FormatSetting(double d);
 
 // A string from a client as a status message quotes it: at most `max_bytes` bytes of it (then
 // "...", and the length), each byte that is not printable ASCII as '?'. A message carries the

@@ -16,6 +16,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/string_view.h"
 #include "common/status_macros.h"
+#include "common/unique_fd.h"
 #include "nlohmann/json.hpp"
 
 namespace slidedp::model {
@@ -432,23 +433,19 @@ absl::Status PreadAll(int fd, void* dst, size_t n, uint64_t offset) {
 
 // Opens `path` read-only as a regular file. O_NONBLOCK keeps open() from blocking on a FIFO; it
 // has no effect on reads of a regular file.
-absl::StatusOr<int> OpenRegularFile(const std::string& path, uint64_t* size) {
-  const int fd = open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
-  if (fd < 0) {
+absl::StatusOr<UniqueFd> OpenRegularFile(const std::string& path, uint64_t* size) {
+  UniqueFd fd(open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK));
+  if (!fd.valid()) {
     const int err = errno;
     if (err == ENOENT) return absl::NotFoundError(absl::StrCat(path, ": no such file"));
     return ErrnoStatus(absl::StrCat(path, ": open"), err);
   }
   struct stat st;
-  if (fstat(fd, &st) != 0) {
+  if (fstat(fd.get(), &st) != 0) {
     const int err = errno;
-    close(fd);
     return ErrnoStatus(absl::StrCat(path, ": fstat"), err);
   }
-  if (!S_ISREG(st.st_mode)) {
-    close(fd);
-    return Invalid(absl::StrCat(path, ": not a regular file"));
-  }
+  if (!S_ISREG(st.st_mode)) return Invalid(absl::StrCat(path, ": not a regular file"));
   *size = static_cast<uint64_t>(st.st_size);
   return fd;
 }
@@ -608,8 +605,9 @@ void WidenToFp32(SafetensorsDtype dtype, const void* src, float* dst, size_t n) 
 
 absl::StatusOr<std::unique_ptr<SafetensorsFile>> SafetensorsFile::Open(const std::string& path) {
   uint64_t size = 0;
-  ASSIGN_OR_RETURN(const int fd, OpenRegularFile(path, &size));
-  std::unique_ptr<SafetensorsFile> f(new SafetensorsFile(path, fd));
+  ASSIGN_OR_RETURN(UniqueFd owned_fd, OpenRegularFile(path, &size));
+  const int fd = owned_fd.get();
+  std::unique_ptr<SafetensorsFile> f(new SafetensorsFile(path, std::move(owned_fd)));
   if (size < 8) {
     return Invalid(absl::StrCat(path, ": ", size,
                                 " bytes; a safetensors file starts with an 8-byte header length"));
@@ -627,10 +625,6 @@ absl::StatusOr<std::unique_ptr<SafetensorsFile>> SafetensorsFile::Open(const std
   return f;
 }
 
-SafetensorsFile::~SafetensorsFile() {
-  if (fd_ >= 0) close(fd_);
-}
-
 const SafetensorsTensor* SafetensorsFile::Find(std::string_view name) const {
   const auto it = header_.tensors.find(name);
   return it == header_.tensors.end() ? nullptr : &it->second;
@@ -644,8 +638,8 @@ absl::Status SafetensorsFile::Read(const SafetensorsTensor& t, uint64_t offset_b
                                               offset_bytes, " of a tensor of ", tensor_bytes,
                                               " bytes"));
   }
-  return Annotate(PreadAll(fd_, dst, size_bytes, header_.data_offset + t.begin + offset_bytes),
-                  path_);
+  return Annotate(
+      PreadAll(fd_.get(), dst, size_bytes, header_.data_offset + t.begin + offset_bytes), path_);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -705,15 +699,14 @@ absl::StatusOr<std::unique_ptr<SafetensorsCheckpoint>> SafetensorsCheckpoint::Op
 
   // The index: bounded read, then the weight map.
   uint64_t size = 0;
-  ASSIGN_OR_RETURN(const int fd, OpenRegularFile(ckpt->path_, &size));
+  ASSIGN_OR_RETURN(UniqueFd fd, OpenRegularFile(ckpt->path_, &size));
   if (size > kSafetensorsMaxIndexBytes) {
-    close(fd);
     return Invalid(absl::StrCat(ckpt->path_, ": ", size, " bytes exceeds the limit of ",
                                 kSafetensorsMaxIndexBytes, " bytes for an index"));
   }
   std::string text(size, '\0');
-  const absl::Status read = PreadAll(fd, text.data(), size, 0);
-  close(fd);
+  const absl::Status read = PreadAll(fd.get(), text.data(), size, 0);
+  fd.reset();
   RETURN_IF_ERROR(Annotate(read, ckpt->path_));
   auto weight_map = ParseSafetensorsIndex(text);
   if (!weight_map.ok()) return Annotate(weight_map.status(), ckpt->path_);

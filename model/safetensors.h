@@ -41,6 +41,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "common/unique_fd.h"
 
 namespace slidedp::model {
 
@@ -104,7 +105,6 @@ class SafetensorsFile {
  public:
   // Opens and parses `path` (a regular file). Errors name the path.
   static absl::StatusOr<std::unique_ptr<SafetensorsFile>> Open(const std::string& path);
-  ~SafetensorsFile();
   SafetensorsFile(const SafetensorsFile&) = delete;
   SafetensorsFile& operator=(const SafetensorsFile&) = delete;
 
@@ -119,10 +119,10 @@ class SafetensorsFile {
                     size_t size_bytes) const;
 
  private:
-  SafetensorsFile(std::string path, int fd) : path_(std::move(path)), fd_(fd) {}
+  SafetensorsFile(std::string path, UniqueFd fd) : path_(std::move(path)), fd_(std::move(fd)) {}
 
   std::string path_;
-  int fd_ = -1;
+  UniqueFd fd_;
   SafetensorsHeader header_;
 };
 

@@ -150,7 +150,7 @@ v1::GetConfigResponse CannedConfig() {
 grpc::Status FakeControlService::Handshake(grpc::ServerContext*,
                                            const v1::HandshakeRequest* request,
                                            v1::HandshakeResponse* response) {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   ++handshake_count_;
   last_handshake_ = *request;
   if (refuse_handshake_) {
@@ -169,7 +169,7 @@ grpc::Status FakeControlService::GetStatus(grpc::ServerContext*, const v1::GetSt
   int64_t delay_ms = 0;
   bool no_job = false;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    absl::MutexLock lock(&mu_);
     delay_ms = status_delay_ms_;
     no_job = no_job_;
   }
@@ -195,7 +195,7 @@ grpc::Status FakeControlService::ListRanks(grpc::ServerContext*,
                                            const v1::ListRanksRequest* request,
                                            v1::ListRanksResponse* response) {
   if (!KnownJob(request->job_id())) return UnknownJob(request->job_id());
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   if (no_rank_attached_) {
     // hostd's answer for a world size of 1 and no rank: the slot, default-valued.
     v1::RankStatus* slot = response->add_ranks();
@@ -225,7 +225,7 @@ grpc::Status FakeControlService::ExportHF(grpc::ServerContext* context,
   int64_t delay_ms = 0;
   grpc::Status status;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    absl::MutexLock lock(&mu_);
     last_export_ = *request;
     delay_ms = operation_delay_ms_;
     status = export_status_;
@@ -251,7 +251,7 @@ grpc::Status FakeControlService::Checkpoint(grpc::ServerContext* context,
                                             v1::CheckpointResponse* response) {
   int64_t delay_ms = 0;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    absl::MutexLock lock(&mu_);
     last_checkpoint_ = *request;
     delay_ms = operation_delay_ms_;
   }
@@ -266,52 +266,52 @@ grpc::Status FakeControlService::Checkpoint(grpc::ServerContext* context,
 }
 
 void FakeControlService::set_operation_delay_ms(int64_t delay_ms) {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   operation_delay_ms_ = delay_ms;
 }
 
 void FakeControlService::set_export_status(grpc::Status status) {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   export_status_ = std::move(status);
 }
 
 void FakeControlService::set_no_rank_attached(bool none) {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   no_rank_attached_ = none;
 }
 
 v1::ExportHFRequest FakeControlService::last_export() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   return last_export_;
 }
 
 v1::CheckpointRequest FakeControlService::last_checkpoint() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   return last_checkpoint_;
 }
 
 void FakeControlService::set_refuse_handshake(bool refuse) {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   refuse_handshake_ = refuse;
 }
 
 void FakeControlService::set_no_job(bool no_job) {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   no_job_ = no_job;
 }
 
 void FakeControlService::set_status_delay_ms(int64_t delay_ms) {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   status_delay_ms_ = delay_ms;
 }
 
 int FakeControlService::handshake_count() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   return handshake_count_;
 }
 
 v1::HandshakeRequest FakeControlService::last_handshake() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   return last_handshake_;
 }
 

@@ -15,9 +15,10 @@
 
 #include <cstdint>
 #include <memory>
-#include <mutex>
 #include <string>
 
+#include "absl/base/thread_annotations.h"
+#include "absl/synchronization/mutex.h"
 #include "grpcpp/grpcpp.h"
 #include "slidedp/v1/control.grpc.pb.h"
 
@@ -68,17 +69,17 @@ class FakeControlService final : public v1::Control::Service {
   v1::HandshakeRequest last_handshake() const;
 
  private:
-  mutable std::mutex mu_;
-  bool refuse_handshake_ = false;          // guarded by mu_
-  bool no_job_ = false;                    // guarded by mu_
-  int64_t status_delay_ms_ = 0;            // guarded by mu_
-  int64_t operation_delay_ms_ = 0;         // guarded by mu_
-  grpc::Status export_status_;             // guarded by mu_
-  bool no_rank_attached_ = false;          // guarded by mu_
-  v1::ExportHFRequest last_export_;        // guarded by mu_
-  v1::CheckpointRequest last_checkpoint_;  // guarded by mu_
-  int handshake_count_ = 0;                // guarded by mu_
-  v1::HandshakeRequest last_handshake_;    // guarded by mu_
+  mutable absl::Mutex mu_;
+  bool refuse_handshake_ ABSL_GUARDED_BY(mu_) = false;
+  bool no_job_ ABSL_GUARDED_BY(mu_) = false;
+  int64_t status_delay_ms_ ABSL_GUARDED_BY(mu_) = 0;
+  int64_t operation_delay_ms_ ABSL_GUARDED_BY(mu_) = 0;
+  grpc::Status export_status_ ABSL_GUARDED_BY(mu_);
+  bool no_rank_attached_ ABSL_GUARDED_BY(mu_) = false;
+  v1::ExportHFRequest last_export_ ABSL_GUARDED_BY(mu_);
+  v1::CheckpointRequest last_checkpoint_ ABSL_GUARDED_BY(mu_);
+  int handshake_count_ ABSL_GUARDED_BY(mu_) = 0;
+  v1::HandshakeRequest last_handshake_ ABSL_GUARDED_BY(mu_);
 };
 
 // Serves a FakeControlService on <fresh temp dir>/hostd.sock and, with `tcp`, also on

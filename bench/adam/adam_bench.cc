@@ -48,6 +48,7 @@
 #include "absl/strings/str_cat.h"
 #include "bench/adam/json_writer.h"
 #include "bench/adam/triad.h"
+#include "common/mapping.h"
 #include "common/thread_pool.h"
 #include "kernels/cpu/adamw.h"
 #include "kernels/cpu/bf16.h"
@@ -251,34 +252,20 @@ Machine DetectMachine() {
 
 // ---- Memory.
 
-// An anonymous mapping, optionally backed by transparent huge pages. Move-only owner.
+// An anonymous mapping aligned to a huge page, optionally backed by transparent huge pages.
+// Move-only owner.
 class HostArray {
  public:
   static absl::StatusOr<HostArray> Create(size_t bytes, bool hugepages) {
     constexpr size_t kHuge = size_t{2} << 20;
     const size_t size = (std::max<size_t>(bytes, 1) + kHuge - 1) / kHuge * kHuge;
     // Over-allocate by one huge page so the start can be aligned to it.
-    void* raw =
-        mmap(nullptr, size + kHuge, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-    if (raw == MAP_FAILED) {
-      return absl::ResourceExhaustedError(
-          absl::StrCat("mmap of ", size, " bytes failed: ", std::strerror(errno)));
-    }
-    const uintptr_t base = reinterpret_cast<uintptr_t>(raw);
+    absl::StatusOr<Mapping> raw = Mapping::Anonymous(size + kHuge, "host array");
+    if (!raw.ok()) return absl::ResourceExhaustedError(raw.status().message());
+    const uintptr_t base = reinterpret_cast<uintptr_t>(raw->data());
     const uintptr_t aligned = (base + kHuge - 1) / kHuge * kHuge;
     if (hugepages) madvise(reinterpret_cast<void*>(aligned), size, MADV_HUGEPAGE);
-    return HostArray(raw, size + kHuge, reinterpret_cast<void*>(aligned));
-  }
-  HostArray(HostArray&& o) noexcept
-      : raw_(std::exchange(o.raw_, nullptr)), size_(o.size_), data_(o.data_) {}
-  HostArray& operator=(HostArray&& o) noexcept {
-    std::swap(raw_, o.raw_);
-    std::swap(size_, o.size_);
-    std::swap(data_, o.data_);
-    return *this;
-  }
-  ~HostArray() {
-    if (raw_ != nullptr) munmap(raw_, size_);
+    return HostArray(std::move(*raw), reinterpret_cast<void*>(aligned));
   }
   template <typename T>
   T* as() const {
@@ -286,9 +273,8 @@ class HostArray {
   }
 
  private:
-  HostArray(void* raw, size_t size, void* data) : raw_(raw), size_(size), data_(data) {}
-  void* raw_;
-  size_t size_;
+  HostArray(Mapping raw, void* data) : raw_(std::move(raw)), data_(data) {}
+  Mapping raw_;
   void* data_;
 };
 
