@@ -8,11 +8,11 @@
 
 HostdProcess starts hostd on its own instance name and unix socket (in a temporary directory
 unless given), with its output in a log file, and waits until the socket exists. Leaving the
-`with` block normally stops hostd with SIGTERM and asserts the exit code (`expect_rc`, 0 unless
-told; None: the test stopped or killed hostd itself) and, with `check_shm`, that no segment of
-the instance is left. Leaving it with an exception kills hostd and removes its segments, so a
-failed test does not leave a daemon or shared memory behind. Failures are AssertionErrors that
-carry the tail of hostd's log.
+`with` block normally (or finish()) stops hostd with SIGTERM and asserts the exit code
+(`expect_rc`, 0 unless told; None: the test stopped or killed hostd itself) and, with
+`check_shm`, that no segment of the instance is left. Leaving it with an exception (or abort())
+kills hostd and removes its segments, so a failed test leaves no daemon or shared memory behind.
+Failures are AssertionErrors that carry the tail of hostd's log.
 
 `ctl` / `ctl_json` run slidedpctl (against a socket or, with socket=None, without one) and
 check its exit code.
@@ -86,8 +86,9 @@ class HostdProcess:
 
     hostd: the binary. args: its flags besides --socket and --instance (which this class adds).
     tmp: the directory for the socket and the log (default: a new temporary directory, removed
-    after a clean exit; output() still answers). instance / socket: given to restart an instance (a stale socket file is
-    removed first), else derived from `tag`, the pid and a counter. slidedpctl: the binary that
+    after a clean exit; output() still answers). instance / socket: given to restart an
+    instance (a stale socket file is removed first), else derived from `tag`, the pid and a
+    counter. slidedpctl: the binary that
     ctl() / ctl_json() use. env, cwd: hostd's environment and directory. wait_ready: False
     returns from start() at once (the test decides when hostd is ready). start_timeout_s: how
     long start() waits for the socket. expect_rc: the exit code a clean `with` exit asserts after
@@ -115,15 +116,18 @@ class HostdProcess:
         self._saved_output = None  # the log's text once a temporary directory of ours is gone
 
     # --- lifecycle ---------------------------------------------------------------------------
+    def command(self):
+        """hostd's argv (for a test that runs it itself, e.g. to see it refuse to start)."""
+        return [self.hostd, "--socket", self.socket, "--instance", self.instance, *self.args]
+
     def start(self):
         """Starts hostd and (with wait_ready) waits for its socket; returns self. Raises
         AssertionError with the log's tail if hostd exits or times out first (it is killed)."""
         if os.path.exists(self.socket):
             os.unlink(self.socket)  # left by a killed hostd of this instance
         self._log = open(self.log_path, "a+")
-        self.proc = subprocess.Popen(
-            [self.hostd, "--socket", self.socket, "--instance", self.instance, *self.args],
-            stdout=self._log, stderr=subprocess.STDOUT, env=self.env, cwd=self.cwd)
+        self.proc = subprocess.Popen(self.command(), stdout=self._log, stderr=subprocess.STDOUT,
+                                     env=self.env, cwd=self.cwd)
         if self.wait_ready:
             self.wait_socket()
         return self
@@ -178,19 +182,9 @@ class HostdProcess:
             self._log.close()
             self._log = None
 
-    def __enter__(self):
-        try:
-            return self.start()
-        except BaseException:
-            self.close()
-            remove_shm(self.instance)
-            raise
-
-    def __exit__(self, exc_type, exc, tb):
-        if exc_type is not None:
-            self.close()
-            remove_shm(self.instance)
-            return False
+    def finish(self):
+        """The clean end: SIGTERM, the exit code asserted (expect_rc), no /dev/shm entry of the
+        instance left (check_shm), the log closed. Returns hostd's output."""
         try:
             if self.expect_rc is not None:
                 rc = self.stop()
@@ -203,11 +197,30 @@ class HostdProcess:
                 if left:
                     raise AssertionError(f"hostd left {left} in /dev/shm")
         finally:
-            self.close()
-            remove_shm(self.instance)
+            self.abort()
+        text = self.output()
         if self._own_tmp:
-            self._saved_output = self.output()
+            self._saved_output = text
             shutil.rmtree(self.tmp, ignore_errors=True)
+        return text
+
+    def abort(self):
+        """The end after an error: hostd killed if it still runs, its segments removed."""
+        self.close()
+        remove_shm(self.instance)
+
+    def __enter__(self):
+        try:
+            return self.start()
+        except BaseException:
+            self.abort()
+            raise
+
+    def __exit__(self, exc_type, exc, tb):
+        if exc_type is not None:
+            self.abort()
+        else:
+            self.finish()
         return False
 
     # --- what it said ------------------------------------------------------------------------
