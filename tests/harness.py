@@ -112,7 +112,6 @@ class HostdProcess:
         self.start_timeout_s, self.stop_timeout_s = start_timeout_s, stop_timeout_s
         self.expect_rc, self.check_shm = expect_rc, check_shm
         self.proc = None
-        self._log = None
         self._saved_output = None  # the log's text once a temporary directory of ours is gone
 
     # --- lifecycle ---------------------------------------------------------------------------
@@ -125,9 +124,10 @@ class HostdProcess:
         AssertionError with the log's tail if hostd exits or times out first (it is killed)."""
         if os.path.exists(self.socket):
             os.unlink(self.socket)  # left by a killed hostd of this instance
-        self._log = open(self.log_path, "a+")
-        self.proc = subprocess.Popen(self.command(), stdout=self._log, stderr=subprocess.STDOUT,
-                                     env=self.env, cwd=self.cwd)
+        # hostd holds the log's only descriptor: the test's own fds stay as they were.
+        with open(self.log_path, "a") as log:
+            self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT,
+                                         env=self.env, cwd=self.cwd)
         if self.wait_ready:
             self.wait_socket()
         return self
@@ -166,6 +166,13 @@ class HostdProcess:
     def poll(self):
         return self.proc.poll()
 
+    def send_signal(self, sig):
+        self.proc.send_signal(sig)
+
+    def wait(self, timeout=None):
+        """Waits for hostd to exit (subprocess.Popen.wait); returns the exit code."""
+        return self.proc.wait(timeout=timeout)
+
     @property
     def pid(self):
         return self.proc.pid
@@ -175,16 +182,13 @@ class HostdProcess:
         return self.proc.returncode
 
     def close(self):
-        """Kills hostd if it still runs and closes the log (what __exit__ does last)."""
+        """Kills hostd if it still runs."""
         if self.proc is not None and self.proc.poll() is None:
             self.kill()
-        if self._log is not None:
-            self._log.close()
-            self._log = None
 
     def finish(self):
         """The clean end: SIGTERM, the exit code asserted (expect_rc), no /dev/shm entry of the
-        instance left (check_shm), the log closed. Returns hostd's output."""
+        instance left (check_shm). Returns hostd's output."""
         try:
             if self.expect_rc is not None:
                 rc = self.stop()
@@ -228,10 +232,11 @@ class HostdProcess:
         """Everything hostd wrote to stdout and stderr so far."""
         if self._saved_output is not None:
             return self._saved_output
-        if self._log is not None:
-            self._log.flush()
-        with open(self.log_path, errors="replace") as f:
-            return f.read()
+        try:
+            with open(self.log_path, errors="replace") as f:
+                return f.read()
+        except FileNotFoundError:  # the test removed the directory
+            return f"({self.log_path} is gone)"
 
     def output_tail(self, chars=LOG_TAIL_CHARS):
         return self.output()[-chars:]
