@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Writes the seed corpora of the fuzz targets (fuzz/corpus/<target>/): small valid inputs of
+"""Writes the seed corpora of the fuzz targets (tests/fuzz/corpus/<target>/): small valid inputs of
 each surface, in each target's input format (see the targets' opening comments). Re-run after a
 format change; the files are checked in."""
 import json
