@@ -14,7 +14,7 @@ if(SLIDEDP_TSAN)
 endif()
 # libFuzzer build (clang only, scripts/fuzz.sh): every library is instrumented for coverage and
 # built with ASan + UBSan (UBSan findings abort, so the fuzzer reports them as crashes); only the
-# fuzz/ targets link libFuzzer's main (-fsanitize=fuzzer).
+# tests/fuzz/ targets link libFuzzer's main (-fsanitize=fuzzer).
 if(SLIDEDP_FUZZ)
   add_compile_options(-fsanitize=fuzzer-no-link,address,undefined -fno-sanitize-recover=undefined
                       -fno-omit-frame-pointer)

@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
-# libFuzzer targets (fuzz/) in their own build tree, ${FUZZ_BUILD_DIR:-build-fuzz}: clang with
+# libFuzzer targets (tests/fuzz/) in their own build tree, ${FUZZ_BUILD_DIR:-build-fuzz}: clang with
 # -fsanitize=fuzzer-no-link,address,undefined for every library, -fsanitize=fuzzer for the
 # targets. Configured on first use, rebuilt incrementally (with ccache) afterwards.
 #
 #   scripts/fuzz.sh build                  configure if needed, build the targets
-#   scripts/fuzz.sh run TARGET [SECONDS]   the target's regression inputs (fuzz/regressions/TARGET,
+#   scripts/fuzz.sh run TARGET [SECONDS]   the target's regression inputs (tests/fuzz/regressions/TARGET,
 #                                          each must pass), then fuzzing for SECONDS (default 60)
-#                                          from the checked-in seeds (fuzz/corpus/TARGET) and the
+#                                          from the checked-in seeds (tests/fuzz/corpus/TARGET) and the
 #                                          corpus grown in the build tree; a crash fails the run
 #                                          and leaves its input in BUILD/artifacts/TARGET/
 #   scripts/fuzz.sh [SECONDS]              build, then run every target
@@ -44,23 +44,23 @@ build() {
 
 run() {
   local t=$1 secs=${2:-60}
-  local bin=$BUILD/fuzz/$t
+  local bin=$BUILD/tests/fuzz/$t
   [ -x "$bin" ] || { echo "fuzz.sh: $bin is not built (scripts/fuzz.sh build)" >&2; exit 2; }
   local work=$BUILD/corpus/$t artifacts=$BUILD/artifacts/$t/
   mkdir -p "$work" "$artifacts"
   local opts=(-timeout=30 -rss_limit_mb=4096 -artifact_prefix="$artifacts" -print_final_stats=1)
-  [ -f "fuzz/dict/$t.dict" ] && opts+=(-dict="fuzz/dict/$t.dict")
+  [ -f "tests/fuzz/dict/$t.dict" ] && opts+=(-dict="tests/fuzz/dict/$t.dict")
   # Inputs that once crashed, fixed since: each runs once and must pass.
-  if compgen -G "fuzz/regressions/$t/*" >/dev/null; then
+  if compgen -G "tests/fuzz/regressions/$t/*" >/dev/null; then
     echo "== $t: regression inputs"
-    "$bin" "${opts[@]}" fuzz/regressions/$t/*
+    "$bin" "${opts[@]}" tests/fuzz/regressions/$t/*
   fi
   echo "== $t: fuzzing for ${secs}s"
   local seeds=()
-  [ -d "fuzz/corpus/$t" ] && seeds=("fuzz/corpus/$t")
+  [ -d "tests/fuzz/corpus/$t" ] && seeds=("tests/fuzz/corpus/$t")
   if ! "$bin" "${opts[@]}" -max_total_time="$secs" "$work" "${seeds[@]}"; then
     echo "fuzz.sh: $t failed; reproduce with $bin $artifacts<crash file>; once fixed, check the" \
-      "input in under fuzz/regressions/$t/" >&2
+      "input in under tests/fuzz/regressions/$t/" >&2
     exit 1
   fi
 }

@@ -37,7 +37,6 @@ Runs in about 35 s (two hostds for the rpc and c_abi rows, one short-lived hostd
 safetensors row).
 """
 import ctypes
-import glob
 import json
 import os
 import re
@@ -53,7 +52,12 @@ import unittest
 import grpc
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from harness import HostdProcess, use_python_client  # noqa: E402
 from pbwire import pb, varint  # noqa: E402
+
+use_python_client()
+from slidedp import _lib  # noqa: E402
+from slidedp._lib import RankOptions  # noqa: E402
 
 HOSTD = LIBPATH = None
 
@@ -206,54 +210,6 @@ def st_bytes(entries, data_len, header_text=None, pad=True):
     return struct.pack("<Q", len(text)) + text + bytes(data_len)
 
 
-class Options(ctypes.Structure):
-    _fields_ = [("abi_version", ctypes.c_uint32), ("socket", ctypes.c_char_p),
-                ("job_id", ctypes.c_char_p), ("rank", ctypes.c_uint32),
-                ("manifest_hash", ctypes.c_char_p), ("gpu", ctypes.c_int32),
-                ("timeout_ms", ctypes.c_uint32),
-                ("client_updated_layers", ctypes.POINTER(ctypes.c_uint32)),
-                ("num_client_updated_layers", ctypes.c_uint32)]
-
-
-def load_lib():
-    lib = ctypes.CDLL(LIBPATH)
-    c = ctypes
-    lib.slidedp_rank_last_error.restype = c.c_char_p
-    lib.slidedp_rank_attach.argtypes = [c.c_void_p, c.c_void_p]
-    lib.slidedp_rank_detach.argtypes = [c.c_void_p]
-    lib.slidedp_rank_num_layers.argtypes = [c.c_void_p, c.c_void_p]
-    lib.slidedp_rank_next_step.argtypes = [c.c_void_p, c.c_void_p]
-    lib.slidedp_rank_layer_numel.argtypes = [c.c_void_p, c.c_uint32, c.c_void_p]
-    lib.slidedp_rank_layer_info.argtypes = [c.c_void_p, c.c_uint32, c.c_char_p, c.c_size_t,
-                                            c.c_void_p]
-    lib.slidedp_rank_begin_step.argtypes = [c.c_void_p, c.c_uint64, c.c_uint32]
-    lib.slidedp_rank_fetch_params.argtypes = [c.c_void_p, c.c_uint32, c.c_uint64, c.c_void_p,
-                                              c.c_size_t, c.c_uint32, c.c_void_p]
-    lib.slidedp_rank_push_grad.argtypes = [c.c_void_p, c.c_uint64, c.c_uint32, c.c_void_p,
-                                           c.c_int, c.c_size_t, c.c_uint32]
-    lib.slidedp_rank_wait_step.argtypes = [c.c_void_p, c.c_uint64, c.c_uint32]
-    lib.slidedp_manifest_hash_from_hf_config.argtypes = [c.c_char_p, c.c_char_p, c.c_size_t]
-    lib.slidedp_rank_optimizer_json.argtypes = [c.c_void_p, c.c_uint64, c.c_char_p, c.c_size_t]
-    lib.slidedp_rank_client_layer_view.argtypes = [c.c_void_p, c.c_uint32, c.c_void_p,
-                                                   c.c_void_p]
-    return lib
-
-
-
-
-def start_hostd(log_path, *args):
-    log = open(log_path, "w+")
-    return subprocess.Popen([HOSTD, *args], stdout=log, stderr=subprocess.STDOUT), log
-
-
-def wait_socket(proc, sock):
-    deadline = time.time() + 60
-    while not os.path.exists(sock):
-        if proc.poll() is not None or time.time() > deadline:
-            raise RuntimeError(f"hostd did not start (socket {sock})")
-        time.sleep(0.05)
-
-
 class BadInputTableTest(unittest.TestCase):
     rows = []  # (surface, case, expected, got, ok)
 
@@ -266,18 +222,24 @@ class BadInputTableTest(unittest.TestCase):
         cls.roots = os.path.join(cls.tmp, "roots")
         os.makedirs(cls.roots)
         common = ["--mlock", "best_effort", "--update_threads", "1", "--output_roots", cls.roots]
-        cls.hostd, cls.log = start_hostd(
-            os.path.join(cls.tmp, "hostd.log"), "--model", "tiny", "--world_size", "2",
-            "--socket", cls.sock, "--instance", cls.instance, "--chunk_bytes", "4096", *common)
+        cls.hostd = HostdProcess(
+            HOSTD, "--model", "tiny", "--world_size", "2", "--chunk_bytes", "4096", *common,
+            tmp=cls.tmp, instance=cls.instance, socket=cls.sock, log_name="hostd.log",
+            wait_ready=False).start()
         # CreateJob's rows: a hostd without a job.
-        cls.hostd_none, cls.log_none = start_hostd(
-            os.path.join(cls.tmp, "hostd-none.log"), "--model", "none", "--socket",
-            cls.sock_none, "--instance", f"bn{os.getpid()}", *common)
-        wait_socket(cls.hostd, cls.sock)
-        wait_socket(cls.hostd_none, cls.sock_none)
+        cls.hostd_none = HostdProcess(
+            HOSTD, "--model", "none", *common, tmp=cls.tmp, instance=f"bn{os.getpid()}",
+            socket=cls.sock_none, log_name="hostd-none.log", wait_ready=False).start()
+        try:
+            cls.hostd.wait_socket()
+            cls.hostd_none.wait_socket()
+        except BaseException:
+            cls.hostd.abort()
+            cls.hostd_none.abort()
+            raise
         cls.channel = grpc.insecure_channel("unix:" + cls.sock)
         cls.channel_none = grpc.insecure_channel("unix:" + cls.sock_none)
-        cls.lib = load_lib()
+        cls.lib = _lib.load(LIBPATH)
         buf = ctypes.create_string_buffer(17)
         assert cls.lib.slidedp_manifest_hash_from_hf_config(b"tiny", buf, 17) == OK
         cls.hash = buf.value
@@ -286,14 +248,11 @@ class BadInputTableTest(unittest.TestCase):
     def tearDownClass(cls):
         cls.channel.close()
         cls.channel_none.close()
-        for p in (cls.hostd, cls.hostd_none):
-            p.send_signal(signal.SIGTERM)
-        for p, instance in ((cls.hostd, cls.instance), (cls.hostd_none, f"bn{os.getpid()}")):
-            if p.wait(timeout=30) != 0:  # a hostd that died leaves its segments: nobody adopts them
-                for f in glob.glob(f"/dev/shm/slidedp.{instance}.*"):
-                    os.remove(f)
-        cls.log.close()
-        cls.log_none.close()
+        for h in (cls.hostd, cls.hostd_none):
+            h.proc.send_signal(signal.SIGTERM)
+        for h in (cls.hostd, cls.hostd_none):
+            h.stop(timeout_s=30)
+            h.abort()  # a hostd that died leaves its segments: nobody adopts them
         rows = cls.rows
         w1 = max(len(r[1]) for r in rows)
         w2 = min(100, max(len(r[2]) for r in rows))
@@ -425,7 +384,7 @@ class BadInputTableTest(unittest.TestCase):
         self.rpc("(wire): bytes that are not a request message", "BeginStep", b"\xff\xff\xff\xff",
                  "INTERNAL", "")
         self.rpc("(wire): method that does not exist", "Frobnicate", b"", "UNIMPLEMENTED", "")
-        self.still_serving("hostd --model tiny", self.hostd)
+        self.still_serving("hostd --model tiny", self.hostd.proc)
 
     def rpc_handshake_and_queries(self):
         msg = self.call("Handshake", b"")[1]
@@ -1023,7 +982,7 @@ class BadInputTableTest(unittest.TestCase):
         # of an upload that had never begun).
         up("version 0 of a fresh job (hostd's copy is at it)", "ALREADY_EXISTS",
            "hostd's copy of the client-updated layers is at version 0 already")
-        self.still_serving("hostd --model none", self.hostd_none)
+        self.still_serving("hostd --model none", self.hostd_none.proc)
 
     def still_serving(self, which, proc):
         try:  # a crash a row caused may take a moment to end the process
@@ -1042,7 +1001,7 @@ class BadInputTableTest(unittest.TestCase):
                     CODES.get(rc, str(rc)), msg)
 
     def opts(self, rank, **kw):
-        o = Options(2, self.sock.encode(), None, rank, self.hash, -1, 10000, None, 0)
+        o = RankOptions(2, self.sock.encode(), None, rank, self.hash, -1, 10000, None, 0)
         for k, v in kw.items():
             setattr(o, k, v)
         return o

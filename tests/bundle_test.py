@@ -12,12 +12,13 @@ import json
 import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
-import time
 import unittest
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from harness import HostdProcess, ctl_json  # noqa: E402
 
 BUNDLE = BUILD = None
 
@@ -53,10 +54,6 @@ def clean_env():
     env = {k: v for k, v in os.environ.items() if not k.startswith("LD_")}
     env["LD_LIBRARY_PATH"] = ""
     return env
-
-
-def shm_names(instance):
-    return sorted(n for n in os.listdir("/dev/shm") if n.startswith(f"slidedp.{instance}."))
 
 
 class BundleTest(unittest.TestCase):
@@ -134,20 +131,11 @@ class BundleTest(unittest.TestCase):
 
     def test_relocated_hostd_and_slidedpctl(self):
         bindir = os.path.join(self.root, "bin")
-        instance = f"bundle{os.getpid()}"
-        sock = os.path.join(self.tmp, "s.sock")
-        log = open(os.path.join(self.tmp, "hostd.log"), "w+")
-        hostd = subprocess.Popen(
-            [os.path.join(bindir, "hostd"), "--model", "tiny", "--socket", sock, "--instance",
-             instance, "--update_threads", "0"],
-            stdout=log, stderr=subprocess.STDOUT, env=clean_env(), cwd=self.tmp)
-        try:
-            deadline = time.time() + 240
-            while not os.path.exists(sock):
-                log.seek(0)
-                self.assertIsNone(hostd.poll(), f"hostd exited {hostd.returncode}: {log.read()}")
-                self.assertLess(time.time(), deadline, "hostd did not create its socket")
-                time.sleep(0.1)
+        # SIGTERM at the end of the block: exit 0, no segment of the instance left.
+        with HostdProcess(os.path.join(bindir, "hostd"), "--model", "tiny", "--update_threads",
+                          "0", tmp=self.tmp, instance=f"bundle{os.getpid()}",
+                          socket=os.path.join(self.tmp, "s.sock"), log_name="hostd.log",
+                          env=clean_env(), cwd=self.tmp, start_timeout_s=240) as hostd:
             with open(f"/proc/{hostd.pid}/maps") as f:
                 mapped = {line.split()[-1] for line in f
                           if re.search(r"\.so(\.[0-9.]+)?$", line.split()[-1])}
@@ -160,24 +148,9 @@ class BundleTest(unittest.TestCase):
                 self.assertTrue(hits, f"hostd has no {prefix}* mapped: {sorted(mapped)}")
                 for h in hits:
                     self.assertTrue(self.inside(h), f"{h} is not the bundle's")
-            r = subprocess.run([os.path.join(bindir, "slidedpctl"), "--socket", sock, "status",
-                                "--json"], capture_output=True, text=True, timeout=60,
-                               env=clean_env())
-            self.assertEqual(r.returncode, 0, r.stderr)
-            layers = json.loads(r.stdout)["layers"]
-            self.assertEqual(len(layers), 7, r.stdout)
-            hostd.send_signal(signal.SIGTERM)
-            rc = hostd.wait(timeout=60)
-            log.seek(0)
-            self.assertEqual(rc, 0, log.read())
-            self.assertEqual(shm_names(instance), [])
-        finally:
-            if hostd.poll() is None:
-                hostd.kill()
-                hostd.wait()
-            log.close()
-            for n in shm_names(instance):
-                os.unlink(os.path.join("/dev/shm", n))
+            layers = ctl_json(os.path.join(bindir, "slidedpctl"), "status", socket=hostd.socket,
+                              env=clean_env())["layers"]
+            self.assertEqual(len(layers), 7, layers)
 
     def test_manifest_matches_files(self):
         on_disk = set()

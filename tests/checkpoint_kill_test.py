@@ -17,24 +17,21 @@ Usage: checkpoint_kill_test.py HOSTD SLIDEDPCTL [NATIVE_TRAINER]
 (NATIVE_TRAINER defaults to the native_trainer next to hostd's build tree.)
 Python standard library only.
 """
-import json
 import os
 import random
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
 import time
 import unittest
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from harness import HostdProcess, ctl_json, shm_names  # noqa: E402
+
 HOSTD = SLIDEDPCTL = TRAINER = None
 KILLS = int(os.environ.get("SLIDEDP_CKPT_KILLS", "24"))
 MODEL = ["--layers", "6", "--dim", "1024", "--batch", "8"]
-
-
-def shm_names(instance):
-    return sorted(n for n in os.listdir("/dev/shm") if n.startswith(f"slidedp.{instance}."))
 
 
 class CheckpointKillTest(unittest.TestCase):
@@ -44,46 +41,36 @@ class CheckpointKillTest(unittest.TestCase):
         self.instance = f"ckill{os.getpid()}"
         self.socket = os.path.join(self.tmp, "h.sock")
         self.procs = []
+        self.hostds = []
 
     def tearDown(self):
         for p in self.procs:
             if p.poll() is None:
                 p.kill()
                 p.wait()
-        for n in shm_names(self.instance):
-            os.unlink(os.path.join("/dev/shm", n))
+        for h in self.hostds:
+            h.abort()  # killed if still running; the instance's segments removed
         shutil.rmtree(self.tmp, ignore_errors=True)
 
     def listing(self):
-        r = subprocess.run([SLIDEDPCTL, "checkpoints", "--dir", self.dir, "--verify", "--json"],
-                           capture_output=True, text=True, timeout=120)
-        self.assertEqual(r.returncode, 0, r.stderr)
-        return json.loads(r.stdout)
+        return ctl_json(SLIDEDPCTL, "checkpoints", "--dir", self.dir, "--verify", timeout=120)
 
-    def start_hostd(self, resume, log):
-        cmd = [HOSTD, "--model", "none", "--world_size", "1", "--socket", self.socket,
-               "--instance", self.instance, "--mlock", "best_effort", "--update_threads", "1",
-               "--checkpoint.dir", self.dir, "--checkpoint.every_steps", "1",
-               "--checkpoint.keep_last", "2", "--checkpoint.on_stop", "false"]
+    def start_hostd(self, resume, k):
+        """Round k's hostd on the one instance and socket (a killed one's socket is replaced);
+        the segments a SIGKILL leaves stay for the next round."""
+        args = ["--model", "none", "--world_size", "1", "--mlock", "best_effort",
+                "--update_threads", "1", "--checkpoint.dir", self.dir,
+                "--checkpoint.every_steps", "1", "--checkpoint.keep_last", "2",
+                "--checkpoint.on_stop", "false"]
         if resume:
-            cmd += ["--resume", self.dir]
-        if os.path.exists(self.socket):
-            os.unlink(self.socket)  # left by the killed hostd; hostd would remove it too
-        p = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-        self.procs.append(p)
-        deadline = time.time() + 60
-        while not os.path.exists(self.socket):
-            if p.poll() is not None or time.time() > deadline:
-                log.seek(0)
-                self.fail(f"hostd did not start (rc {p.poll()}): {log.read()[-3000:]}")
-            time.sleep(0.02)
-        return p
+            args += ["--resume", self.dir]
+        h = HostdProcess(HOSTD, *args, tmp=self.tmp, instance=self.instance, socket=self.socket,
+                         slidedpctl=SLIDEDPCTL, log_name=f"hostd{k}.log")
+        self.hostds.append(h)
+        return h.start()
 
     def status_step(self):
-        r = subprocess.run([SLIDEDPCTL, "--socket", self.socket, "status", "--json"],
-                           capture_output=True, text=True, timeout=60)
-        self.assertEqual(r.returncode, 0, r.stderr)
-        job = json.loads(r.stdout).get("job") or {}
+        job = ctl_json(SLIDEDPCTL, "status", socket=self.socket).get("job") or {}
         return int(job.get("step", 0)), job
 
     def test_kill_during_checkpoint_writes(self):
@@ -92,16 +79,14 @@ class CheckpointKillTest(unittest.TestCase):
         hits = 0
         expected_step = None
         for k in range(KILLS + 1):
-            log = open(os.path.join(self.tmp, f"hostd{k}.log"), "w+")
-            hostd = self.start_hostd(resume=k > 0, log=log)
+            hostd = self.start_hostd(resume=k > 0, k=k)
             if expected_step is not None:
                 # Loads: the resumed job is at the newest valid checkpoint's step.
                 step, job = self.status_step()
                 self.assertEqual(step, expected_step, job)
             if k == KILLS:
-                hostd.send_signal(signal.SIGTERM)
-                hostd.wait(timeout=60)
-                log.close()
+                hostd.stop()
+                hostd.close()
                 break
             trainer = subprocess.Popen(
                 [TRAINER, "--socket", self.socket, "--rank", "0", "--world-size", "1",
@@ -114,11 +99,10 @@ class CheckpointKillTest(unittest.TestCase):
                     self.assertLess(time.time(), deadline, "no first checkpoint within 60 s")
                     time.sleep(0.05)
             time.sleep(rng.uniform(0.3, 1.5))
-            hostd.send_signal(signal.SIGKILL)
-            hostd.wait()
+            hostd.kill()
+            hostd.close()
             trainer.kill()
             trainer.wait()
-            log.close()
             entries = self.listing()
             valid = [e for e in entries if e["valid"]]
             self.assertTrue(valid, f"kill {k}: no valid checkpoint left: {entries}")

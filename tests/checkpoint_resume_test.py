@@ -24,12 +24,14 @@ Python standard library only.
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
 import time
 import unittest
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from harness import HostdProcess, ctl_json, shm_names  # noqa: E402
 
 HOSTD = SLIDEDPCTL = TRAINER = REFERENCE = None
 
@@ -38,16 +40,12 @@ CHUNK_BYTES = 4096
 TIMEOUT_S = 60
 
 
-def shm_names(instance):
-    return sorted(n for n in os.listdir("/dev/shm") if n.startswith(f"slidedp.{instance}."))
-
-
 class CheckpointResumeTest(unittest.TestCase):
     def setUp(self):
         self.tmp = tempfile.mkdtemp(prefix="slidedp-ckpt-")
         self.ckpt = os.path.join(self.tmp, "ckpt")
         self.procs = []
-        self.instances = []
+        self.hostds = []
         self.files = []
         self.n = 0
 
@@ -58,40 +56,22 @@ class CheckpointResumeTest(unittest.TestCase):
                 p.wait()
         for f in self.files:
             f.close()
-        for inst in self.instances:
-            for n in shm_names(inst):
-                os.unlink(os.path.join("/dev/shm", n))
+        for h in self.hostds:
+            h.abort()
         shutil.rmtree(self.tmp, ignore_errors=True)
 
-    def hostd_cmd(self, world_size, *extra):
+    def hostd(self, world_size, *extra):
         self.n += 1
-        instance = f"ck{os.getpid()}n{self.n}"
-        self.instances.append(instance)
-        socket = os.path.join(self.tmp, f"{instance}.sock")
-        cmd = [HOSTD, "--model", "none", "--world_size", str(world_size), "--socket", socket,
-               "--instance", instance, "--mlock", "best_effort", "--update_threads", "1",
-               "--heartbeat_deadline_ms", "10000", "--checkpoint.dir", self.ckpt, *extra]
-        return cmd, socket, instance
+        h = HostdProcess(
+            HOSTD, "--model", "none", "--world_size", str(world_size), "--mlock", "best_effort",
+            "--update_threads", "1", "--heartbeat_deadline_ms", "10000", "--checkpoint.dir",
+            self.ckpt, *extra, tmp=self.tmp, instance=f"ck{os.getpid()}n{self.n}",
+            slidedpctl=SLIDEDPCTL)
+        self.hostds.append(h)
+        return h
 
     def start_hostd(self, world_size, *extra):
-        cmd, socket, instance = self.hostd_cmd(world_size, *extra)
-        log = open(os.path.join(self.tmp, f"{instance}.log"), "w+")
-        self.files.append(log)
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-        self.procs.append(proc)
-        deadline = time.time() + 60
-        while not os.path.exists(socket):
-            if proc.poll() is not None or time.time() > deadline:
-                log.seek(0)
-                self.fail(f"hostd did not start (rc {proc.poll()}): {log.read()}")
-            time.sleep(0.05)
-        return proc, socket, instance, log
-
-    def ctl(self, socket, *args):
-        r = subprocess.run([SLIDEDPCTL, "--socket", socket, *args], capture_output=True,
-                           text=True, timeout=60)
-        self.assertEqual(r.returncode, 0, f"slidedpctl {args}: {r.stderr}")
-        return r.stdout
+        return self.hostd(world_size, *extra).start()
 
     def train(self, socket, world_size, steps, tag):
         trainers = []
@@ -121,14 +101,9 @@ class CheckpointResumeTest(unittest.TestCase):
                           f"\n{out.read()}")
         return [s for _, _, s in trainers]
 
-    def stop(self, proc, instance, log):
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(timeout=60)
-        log.seek(0)
-        text = log.read()
-        self.assertEqual(proc.returncode, 0, text)
-        self.assertEqual(shm_names(instance), [], "hostd left segments behind")
-        return text
+    def stop(self, h):
+        """SIGTERM; exit 0 and no segment left asserted; returns hostd's output."""
+        return h.finish()
 
     def reference(self, steps, world_size, resume_step=0, resume_world=1):
         out = os.path.join(self.tmp, f"ref-{steps}-{world_size}-{resume_step}-{resume_world}.json")
@@ -159,47 +134,45 @@ class CheckpointResumeTest(unittest.TestCase):
     def test_checkpoint_while_training_then_resume_with_other_world_sizes(self):
         t0 = time.time()
         # Phase A: R=2, checkpoints of steps 4 and 8 while training continues, 10 on stop.
-        proc, socket, instance, log = self.start_hostd(2, "--checkpoint.every_steps", "4")
-        instance_a = instance
-        self.train(socket, 2, 10, "A")
-        layers_a = json.loads(self.ctl(socket, "layers", "--json", "--checksums"))
+        h = self.start_hostd(2, "--checkpoint.every_steps", "4")
+        instance_a = h.instance
+        self.train(h.socket, 2, 10, "A")
+        layers_a = h.ctl_json("layers", "--checksums")
         # Steps 4 and 8 are due; a checkpoint still in flight when the next is due makes hostd
         # skip that one (logged), which a loaded machine can cause for step 8.
         deadline = time.time() + 20
         while True:
-            status = json.loads(self.ctl(socket, "status", "--json"))
+            status = h.ctl_json("status")
             if int(status["job"].get("checkpoint_in_flight_step", 0)) == 0 or \
                     time.time() > deadline:
                 break
             time.sleep(0.05)
-        stats = json.loads(self.ctl(socket, "stats", "--json"))
+        stats = h.ctl_json("stats")
         self.assertIn(int(status["job"]["last_checkpoint_step"]), (4, 8), status["job"])
         self.assertIn("checkpoint_stall_seconds", json.dumps(stats))
         print(f"phase A: {stats.get('checkpoints_committed')} checkpoints while training, "
               f"layers pooled {stats.get('checkpoint_layers_snapshotted', 0)}, written live "
               f"{stats.get('checkpoint_layers_written_live', 0)}, stall "
               f"{stats.get('checkpoint_stall_seconds', 0)} s", flush=True)
-        hostd_log = self.stop(proc, instance, log)
+        hostd_log = self.stop(h)
         self.assertIn("checkpoint of step 10 committed", hostd_log)
         self.assert_state(layers_a, self.reference(10, 2), 10, "phase A")
 
-        listing = json.loads(subprocess.run(
-            [SLIDEDPCTL, "checkpoints", "--dir", self.ckpt, "--verify", "--json"],
-            capture_output=True, text=True, timeout=60, check=True).stdout)
+        listing = ctl_json(SLIDEDPCTL, "checkpoints", "--dir", self.ckpt, "--verify")
         steps = [int(x["step"]) for x in listing]
         self.assertTrue(all(x["valid"] for x in listing), listing)
         self.assertIn(steps, ([10, 8, 4], [10, 4]), listing)
 
         # Phase B: resume the step-4 directory itself with one rank, to step 16.
         step4 = os.path.join(self.ckpt, "step-%012d.%s.default" % (4, instance_a))
-        proc, socket, instance, log = self.start_hostd(1, "--resume", step4,
+        h = self.start_hostd(1, "--resume", step4,
                                                        "--checkpoint.on_stop", "false")
-        status = json.loads(self.ctl(socket, "status", "--json"))
+        status = h.ctl_json("status")
         self.assertEqual(int(status["job"]["step"]), 4, status["job"])
         self.assertEqual(status["job"]["resumed_from"], step4)
-        stamps = self.train(socket, 1, 16, "B")
-        layers_b = json.loads(self.ctl(socket, "layers", "--json", "--checksums"))
-        self.stop(proc, instance, log)
+        stamps = self.train(h.socket, 1, 16, "B")
+        layers_b = h.ctl_json("layers", "--checksums")
+        self.stop(h)
         ref_b = self.reference(16, 2, 4, 1)
         # The schedule matters at the bit level (rank sums, 1/R scaling): the comparison can fail.
         self.assertNotEqual([x["checksum"] for x in ref_b["layers"]],
@@ -208,28 +181,28 @@ class CheckpointResumeTest(unittest.TestCase):
         self.check_stamps(stamps, 5, 16)
 
         # Phase C: resume the directory (its newest checkpoint, step 10) with four ranks.
-        proc, socket, instance, log = self.start_hostd(4, "--resume", self.ckpt,
+        h = self.start_hostd(4, "--resume", self.ckpt,
                                                        "--checkpoint.on_stop", "false")
-        stamps = self.train(socket, 4, 16, "C")
-        layers_c = json.loads(self.ctl(socket, "layers", "--json", "--checksums"))
-        self.stop(proc, instance, log)
+        stamps = self.train(h.socket, 4, 16, "C")
+        layers_c = h.ctl_json("layers", "--checksums")
+        self.stop(h)
         self.assert_state(layers_c, self.reference(16, 2, 10, 4), 16, "resume step 10 with R=4")
         self.check_stamps(stamps, 11, 16)
         print(f"checkpoint/resume bit-exact across R=2 -> 1 and 2 -> 4 in "
               f"{time.time() - t0:.1f} s", flush=True)
 
     def expect_start_failure(self, world_size, *extra):
-        cmd, socket, instance = self.hostd_cmd(world_size, *extra)
-        r = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+        h = self.hostd(world_size, *extra)
+        r = subprocess.run(h.command(), capture_output=True, text=True, timeout=60)
         self.assertNotEqual(r.returncode, 0, r.stdout + r.stderr)
-        self.assertEqual(shm_names(instance), [], "a failed resume left segments behind")
+        self.assertEqual(shm_names(h.instance), [], "a failed resume left segments behind")
         return r.stdout + r.stderr
 
     def test_bad_checkpoints_are_refused_at_start(self):
-        proc, socket, instance, log = self.start_hostd(1, "--checkpoint.every_steps", "2")
-        self.train(socket, 1, 2, "bad")
-        self.stop(proc, instance, log)
-        step2 = os.path.join(self.ckpt, "step-%012d.%s.default" % (2, instance))
+        h = self.start_hostd(1, "--checkpoint.every_steps", "2")
+        self.train(h.socket, 1, 2, "bad")
+        self.stop(h)
+        step2 = os.path.join(self.ckpt, "step-%012d.%s.default" % (2, h.instance))
         self.assertTrue(os.path.exists(os.path.join(step2, "COMMITTED")))
 
         # Another model: both manifest hashes are named.
@@ -261,11 +234,10 @@ class CheckpointResumeTest(unittest.TestCase):
         # keeps its step 4 (checkpoints of steps 2 and 4, the older one pruned).
         instances = []
         for tag in ("x", "y"):
-            proc, socket, instance, log = self.start_hostd(
-                1, "--checkpoint.every_steps", "2", "--checkpoint.keep_last", "1")
-            self.train(socket, 1, 4, tag)
-            self.stop(proc, instance, log)
-            instances.append(instance)
+            h = self.start_hostd(1, "--checkpoint.every_steps", "2", "--checkpoint.keep_last", "1")
+            self.train(h.socket, 1, 4, tag)
+            self.stop(h)
+            instances.append(h.instance)
         self.assertEqual(sorted(os.listdir(self.ckpt)),
                          sorted("step-%012d.%s.default" % (4, i) for i in instances))
         # The directory holds two jobs' checkpoints: a resume from it must say which.
@@ -276,12 +248,12 @@ class CheckpointResumeTest(unittest.TestCase):
         self.assertIn("name the step directory", out)
         # Another instance's step directory, named: the job moves.
         step4 = os.path.join(self.ckpt, "step-%012d.%s.default" % (4, instances[0]))
-        proc, socket, instance, log = self.start_hostd(1, "--resume", step4,
+        h = self.start_hostd(1, "--resume", step4,
                                                        "--checkpoint.on_stop", "false")
-        status = json.loads(self.ctl(socket, "status", "--json"))
+        status = h.ctl_json("status")
         self.assertEqual(int(status["job"]["step"]), 4, status["job"])
         self.assertEqual(status["job"]["resumed_from"], step4)
-        self.stop(proc, instance, log)
+        self.stop(h)
 
 
 if __name__ == "__main__":

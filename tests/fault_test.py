@@ -21,6 +21,9 @@ import tempfile
 import time
 import unittest
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from harness import HostdProcess  # noqa: E402
+
 HOSTD = SLIDEDPCTL = TRAINER = REFERENCE = None
 LAYERS, DIM, BATCH, CHUNK_BYTES, SEED = 4, 64, 16, 4096, 3
 FAIL_STEP = 3
@@ -56,26 +59,18 @@ def process_state(pid):
 class FaultTest(unittest.TestCase):
     def setUp(self):
         self.tmp = tempfile.mkdtemp(prefix="slidedp-fault-")
-        self.sock = os.path.join(self.tmp, "hostd.sock")
         self.instance = f"fault{os.getpid()}{self._testMethodName[-8:]}"
         self.shm_before = self.shm_entries()
-        self.log = open(os.path.join(self.tmp, "hostd.log"), "w+")
-        self.hostd = subprocess.Popen(
-            [HOSTD, "--model", "none", "--world_size", "2", "--socket", self.sock, "--instance",
-             self.instance, "--mlock", "best_effort", "--update_threads", "1",
-             "--heartbeat_interval_ms", "100", "--heartbeat_deadline_ms", "1000"],
-            stdout=self.log, stderr=subprocess.STDOUT)
-        deadline = time.time() + 60
-        while not os.path.exists(self.sock):
-            self.assertIsNone(self.hostd.poll(), "hostd exited early")
-            self.assertLess(time.time(), deadline)
-            time.sleep(0.05)
-
-    def tearDown(self):
-        self.hostd.send_signal(signal.SIGTERM)
-        self.assertEqual(self.hostd.wait(timeout=60), 0)
-        self.log.close()
-        self.assertEqual(self.shm_entries(), self.shm_before, "/dev/shm entries leaked")
+        # Cleanups run last first: hostd stops (exit 0, none of its segments left), then the
+        # rest of /dev/shm is compared.
+        self.addCleanup(lambda: self.assertEqual(self.shm_entries(), self.shm_before,
+                                                 "/dev/shm entries leaked"))
+        self.hostd = self.enterContext(HostdProcess(
+            HOSTD, "--model", "none", "--world_size", "2", "--mlock", "best_effort",
+            "--update_threads", "1", "--heartbeat_interval_ms", "100",
+            "--heartbeat_deadline_ms", "1000", tmp=self.tmp, instance=self.instance,
+            slidedpctl=SLIDEDPCTL))
+        self.sock = self.hostd.socket
 
     def shm_entries(self):
         # Other tests may run beside this one and own slidedp.* segments of their instances;
@@ -84,10 +79,7 @@ class FaultTest(unittest.TestCase):
                       if not n.startswith("slidedp.") or n.startswith(f"slidedp.{self.instance}."))
 
     def layers(self):
-        r = subprocess.run([SLIDEDPCTL, "--socket", self.sock, "layers", "--json", "--checksums"],
-                           capture_output=True, text=True, timeout=30)
-        self.assertEqual(r.returncode, 0, r.stderr)
-        return json.loads(r.stdout)
+        return self.hostd.ctl_json("layers", "--checksums", timeout=30)
 
     def run_case(self, failpoint):
         env = dict(os.environ, SLIDEDP_FAILPOINT=failpoint)

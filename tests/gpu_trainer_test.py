@@ -29,6 +29,9 @@ import tempfile
 import time
 import unittest
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from harness import HostdProcess  # noqa: E402
+
 HOSTD = TRAINER = REFERENCE = None
 STEPS = 20
 MODEL = ["--layers", "4", "--dim", "256", "--batch", "32", "--lr", "1e-3"]
@@ -62,6 +65,7 @@ class GpuTrainerTest(unittest.TestCase):
     def setUp(self):
         self.tmp = tempfile.mkdtemp(prefix="slidedp-gpu-")
         self.procs = []
+        self.hostds = []
         self.files = []
 
     def tearDown(self):
@@ -69,6 +73,8 @@ class GpuTrainerTest(unittest.TestCase):
             if p.poll() is None:
                 p.kill()
                 p.wait()
+        for h in self.hostds:
+            h.abort()
         for f in self.files:
             f.close()
         shutil.rmtree(self.tmp, ignore_errors=True)
@@ -84,20 +90,12 @@ class GpuTrainerTest(unittest.TestCase):
 
     def run_job(self, tag, world_size, grad_route, param_route, failpoint=None):
         instance = f"gt{os.getpid()}{tag}"
-        socket = os.path.join(self.tmp, f"{instance}.sock")
-        hlog = open(os.path.join(self.tmp, f"{instance}.log"), "w+")
-        self.files.append(hlog)
-        hostd = subprocess.Popen(
-            [HOSTD, "--model", "none", "--world_size", str(world_size), "--socket", socket,
-             "--instance", instance, "--mlock", "best_effort", "--update_threads", "4",
-             "--heartbeat_deadline_ms", "20000"], stdout=hlog, stderr=subprocess.STDOUT)
-        self.procs.append(hostd)
-        deadline = time.time() + 60
-        while not os.path.exists(socket):
-            if hostd.poll() is not None or time.time() > deadline:
-                hlog.seek(0)
-                self.fail(f"hostd did not start: {hlog.read()}")
-            time.sleep(0.05)
+        hostd = HostdProcess(
+            HOSTD, "--model", "none", "--world_size", str(world_size), "--mlock", "best_effort",
+            "--update_threads", "4", "--heartbeat_deadline_ms", "20000", tmp=self.tmp,
+            instance=instance)
+        self.hostds.append(hostd)
+        socket = hostd.start().socket
         params = os.path.join(self.tmp, f"{instance}.bf16")
         ranks = []
         for rank in range(world_size):
@@ -127,19 +125,13 @@ class GpuTrainerTest(unittest.TestCase):
             if failpoint is not None:
                 continue
             if p.returncode != 0:
-                hlog.seek(0)
                 self.fail(f"{tag}: rank {rank} exited {p.returncode}\n{logs[-1]}\n"
-                          f"hostd:\n{hlog.read()[-4000:]}")
+                          f"hostd:\n{hostd.output_tail()}")
         if failpoint is not None:
             self.assertIsNone(hostd.poll(), "hostd must survive a rank's death")
-            hostd.send_signal(signal.SIGTERM)
-            hostd.wait(timeout=60)
-            hlog.seek(0)
-            self.assertEqual(hostd.returncode, 0, hlog.read()[-3000:])
+            hostd.finish()  # SIGTERM, exit 0 (the log's tail otherwise), no segment left
             return [p.returncode for p, _ in ranks], logs
-        hostd.send_signal(signal.SIGTERM)
-        hostd.wait(timeout=60)
-        self.assertEqual(hostd.returncode, 0)
+        hostd.finish()
         per_step = {}
         for log in logs:
             for m in re.finditer(r"^rank \d+ step +(\d+) +shard_loss (\S+)", log, re.M):

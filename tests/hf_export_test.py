@@ -33,12 +33,14 @@ import subprocess
 import sys
 import tempfile
 import threading
-import time
 import unittest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "python_client"))
 sys.path.insert(0, os.path.join(ROOT, "examples"))
+sys.path.insert(0, os.path.join(ROOT, "tests"))
+from harness import HostdProcess, ctl  # noqa: E402
+
 HOSTD = CTL = LIB = None
 STEPS, BATCH, SEQ = 3, 4, 32
 FP32_LOGIT_RTOL = 2e-2
@@ -47,20 +49,16 @@ FP32_LOGIT_RTOL = 2e-2
 class HfExportTest(unittest.TestCase):
     def setUp(self):
         self.tmp = tempfile.mkdtemp(prefix="slidedp-export-")
-        self.procs = []
-        self.logs = []
+        self.hostds = []
         os.environ["SLIDEDP_RANK_LIB"] = LIB
 
     def tearDown(self):
-        for p in self.procs:
-            if p.poll() is None:
-                p.terminate()
-                try:
-                    p.wait(10)
-                except subprocess.TimeoutExpired:
-                    p.kill()
-        for f in self.logs:
-            f.close()
+        for h in self.hostds:
+            try:
+                h.stop(timeout_s=10)
+            except AssertionError:
+                pass  # killed
+            h.close()
         subprocess.run(["rm", "-rf", self.tmp])
 
     def prepare(self, name, shape):
@@ -72,29 +70,17 @@ class HfExportTest(unittest.TestCase):
         return d
 
     def start_hostd(self, model_dir, tag):
-        sock = os.path.join(self.tmp, f"{tag}.sock")
-        log = open(os.path.join(self.tmp, f"hostd-{tag}.log"), "w+")
-        self.logs.append(log)
-        p = subprocess.Popen([HOSTD, "--model", model_dir, "--socket", sock,
-                              "--instance", f"exp{os.getpid()}{tag}", "--mlock", "best_effort",
-                              "--update_threads", "1", "--lr", "1e-3", "--grad_dtype", "fp32",
-                              "--output_roots", self.tmp],
-                             stdout=log, stderr=subprocess.STDOUT)
-        self.procs.append(p)
-        deadline = time.time() + 60
-        while not os.path.exists(sock):
-            if p.poll() is not None or time.time() > deadline:
-                log.seek(0)
-                self.fail(f"hostd did not start: {log.read()}")
-            time.sleep(0.05)
-        return sock
+        h = HostdProcess(HOSTD, "--model", model_dir, "--mlock", "best_effort",
+                         "--update_threads", "1", "--lr", "1e-3", "--grad_dtype", "fp32",
+                         "--output_roots", self.tmp, tmp=self.tmp,
+                         instance=f"exp{os.getpid()}{tag}",
+                         socket=os.path.join(self.tmp, f"{tag}.sock"),
+                         log_name=f"hostd-{tag}.log")
+        self.hostds.append(h)
+        return h.start().socket
 
     def ctl(self, sock, *args, expect=0, cwd=None):
-        r = subprocess.run([CTL, "--socket", sock, *args], capture_output=True, text=True,
-                           timeout=300, cwd=cwd)
-        self.assertEqual(r.returncode, expect, f"slidedpctl {' '.join(args)}: {r.stdout}"
-                                               f"{r.stderr}")
-        return r
+        return ctl(CTL, *args, socket=sock, expect=expect, timeout=300, cwd=cwd)
 
     def export(self, sock, out, *extra):
         r = self.ctl(sock, "export", "--out", out, *extra, "--json")

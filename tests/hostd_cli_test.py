@@ -7,12 +7,13 @@ Python standard library only.
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
 import tempfile
-import time
 import unittest
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from harness import HostdProcess, shm_names  # noqa: E402
 
 HOSTD = SLIDEDPCTL = None
 
@@ -25,46 +26,6 @@ QWEN3_0_6B = {
 }
 
 
-def shm_names(instance):
-    return sorted(n for n in os.listdir("/dev/shm") if n.startswith(f"slidedp.{instance}."))
-
-
-class Daemon:
-    def __init__(self, tmp, model, instance, *extra):
-        self.socket = os.path.join(tmp, f"{instance}.sock")
-        self.instance = instance
-        self.log = open(os.path.join(tmp, f"{instance}.log"), "w+")
-        self.proc = subprocess.Popen(
-            [HOSTD, "--model", model, "--socket", self.socket, "--instance", instance,
-             "--update_threads", "0", *extra],
-            stdout=self.log, stderr=subprocess.STDOUT)
-        deadline = time.time() + 240
-        while not os.path.exists(self.socket):
-            if self.proc.poll() is not None:
-                raise AssertionError(f"hostd exited {self.proc.returncode}: {self.output()}")
-            if time.time() > deadline:
-                raise AssertionError("hostd did not create its socket: " + self.output())
-            time.sleep(0.1)
-
-    def output(self):
-        self.log.flush()
-        self.log.seek(0)
-        return self.log.read()
-
-    def ctl(self, *args, check=True):
-        r = subprocess.run([SLIDEDPCTL, "--socket", self.socket, *args], capture_output=True,
-                           text=True, timeout=60)
-        if check and r.returncode != 0:
-            raise AssertionError(f"slidedpctl {args} -> {r.returncode}: {r.stderr}")
-        return r
-
-    def stop(self):
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            self.proc.wait(timeout=60)
-        return self.proc.returncode
-
-
 class HostdCliTest(unittest.TestCase):
     def setUp(self):
         self.tmp = tempfile.mkdtemp(prefix="slidedp-cli-")
@@ -72,17 +33,15 @@ class HostdCliTest(unittest.TestCase):
 
     def tearDown(self):
         for d in self.daemons:
-            if d.proc.poll() is None:
-                d.proc.kill()
-                d.proc.wait()
-            d.log.close()
-            for n in shm_names(d.instance):
-                os.unlink(os.path.join("/dev/shm", n))
+            d.abort()  # killed if still running, its segments removed
 
     def start(self, model, tag, *extra):
-        d = Daemon(self.tmp, model, f"cli{os.getpid()}{tag}", *extra)
+        """hostd on instance cli<pid><tag>; the test stops it (d.stop()) and checks the code."""
+        d = HostdProcess(HOSTD, "--model", model, "--update_threads", "0", *extra, tmp=self.tmp,
+                         instance=f"cli{os.getpid()}{tag}", slidedpctl=SLIDEDPCTL,
+                         start_timeout_s=240)
         self.daemons.append(d)
-        return d
+        return d.start()
 
     def test_tcp_listener_needs_the_service_token(self):
         """Issue #17 point 11: the loopback TCP listener is open to every local user, so hostd

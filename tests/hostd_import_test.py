@@ -20,13 +20,18 @@ import json
 import os
 import random
 import shutil
-import signal
 import struct
 import subprocess
 import sys
 import tempfile
-import time
 import unittest
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from harness import HostdProcess, ctl_json, shm_names, use_python_client  # noqa: E402
+
+use_python_client()
+from slidedp import _lib  # noqa: E402
+from slidedp._lib import RankOptions  # noqa: E402
 
 HOSTD = SLIDEDPCTL = LIBPATH = None
 
@@ -193,115 +198,70 @@ def xxh64(data, seed=0):
 
 # --- the rank C ABI, for the layout and the version-0 params -----------------------------------
 
-class Options(ctypes.Structure):
-    _fields_ = [("abi_version", ctypes.c_uint32), ("socket", ctypes.c_char_p),
-                ("job_id", ctypes.c_char_p), ("rank", ctypes.c_uint32),
-                ("manifest_hash", ctypes.c_char_p), ("gpu", ctypes.c_int32),
-                ("timeout_ms", ctypes.c_uint32),
-                ("client_updated_layers", ctypes.POINTER(ctypes.c_uint32)),
-                ("num_client_updated_layers", ctypes.c_uint32)]
-
-
-def load_lib():
-    lib = ctypes.CDLL(LIBPATH)
-    u32p, u64p = ctypes.POINTER(ctypes.c_uint32), ctypes.POINTER(ctypes.c_uint64)
-    lib.slidedp_rank_last_error.restype = ctypes.c_char_p
-    lib.slidedp_rank_attach.argtypes = [ctypes.POINTER(Options), ctypes.POINTER(ctypes.c_void_p)]
-    lib.slidedp_rank_detach.argtypes = [ctypes.c_void_p]
-    lib.slidedp_rank_num_layers.argtypes = [ctypes.c_void_p, u32p]
-    lib.slidedp_rank_layer_numel.argtypes = [ctypes.c_void_p, ctypes.c_uint32, u64p]
-    lib.slidedp_rank_begin_step.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32]
-    lib.slidedp_rank_fetch_params.argtypes = [
-        ctypes.c_void_p, ctypes.c_uint32, ctypes.c_uint64, ctypes.c_void_p, ctypes.c_size_t,
-        ctypes.c_uint32, u64p]
-    lib.slidedp_rank_layer_info.argtypes = [ctypes.c_void_p, ctypes.c_uint32, ctypes.c_char_p,
-                                            ctypes.c_size_t, u32p]
-    lib.slidedp_rank_layer_tensor.argtypes = [
-        ctypes.c_void_p, ctypes.c_uint32, ctypes.c_uint32, ctypes.c_char_p, ctypes.c_size_t,
-        u64p, u64p, ctypes.POINTER(ctypes.c_int64), ctypes.c_uint32, u32p]
-    return lib
-
-
-def shm_names(instance):
-    return sorted(n for n in os.listdir("/dev/shm") if n.startswith(f"slidedp.{instance}."))
-
-
 class HostdImportTest(unittest.TestCase):
     @classmethod
     def setUpClass(cls):
-        cls.lib = load_lib()
+        cls.lib = _lib.load(LIBPATH)
         cls.counter = 0
 
     def setUp(self):
         self.tmp = tempfile.mkdtemp(prefix="slidedp-import-")
-
-    def tearDown(self):
-        shutil.rmtree(self.tmp, ignore_errors=True)
+        # Cleanups run last first: the hostds serve() registers stop before this removes tmp.
+        self.addCleanup(shutil.rmtree, self.tmp, ignore_errors=True)
 
     def start(self, model, *extra):
-        """Starts hostd; returns (proc, socket, instance, log path). Does not wait."""
+        """Starts hostd; returns its HostdProcess. Does not wait."""
         HostdImportTest.counter += 1
-        instance = f"imp{os.getpid()}-{HostdImportTest.counter}"
-        sock = os.path.join(self.tmp, f"{instance}.sock")
-        log = os.path.join(self.tmp, f"{instance}.log")
-        with open(log, "w") as out:
-            proc = subprocess.Popen(
-                [HOSTD, "--model", model, "--socket", sock, "--instance", instance,
-                 "--chunk_bytes", "4096", "--mlock", "best_effort", "--update_threads", "2",
-                 *extra], stdout=out, stderr=subprocess.STDOUT)
-        return proc, sock, instance, log
+        return HostdProcess(
+            HOSTD, "--model", model, "--chunk_bytes", "4096", "--mlock", "best_effort",
+            "--update_threads", "2", *extra, tmp=self.tmp,
+            instance=f"imp{os.getpid()}-{HostdImportTest.counter}", slidedpctl=SLIDEDPCTL,
+            wait_ready=False, start_timeout_s=120).start()
 
     def read(self, path):
         with open(path) as f:
             return f.read()
 
     def serve(self, model, *extra):
-        proc, sock, instance, log = self.start(model, *extra)
-        deadline = time.time() + 120
-        while not os.path.exists(sock):
-            if proc.poll() is not None:
-                self.fail(f"hostd exited {proc.returncode}: {self.read(log)}")
-            if time.time() > deadline:
-                proc.kill()
-                self.fail("hostd did not create its socket: " + self.read(log))
-            time.sleep(0.05)
-        self.addCleanup(self.stop, proc, instance)
-        return sock, log
-
-    def stop(self, proc, instance):
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            proc.wait(timeout=30)
-        self.assertEqual(shm_names(instance), [])
+        """hostd serving `model`; stopped at cleanup (exit 0, no segment left). Returns (socket,
+        log path)."""
+        h = self.start(model, *extra)
+        try:
+            h.wait_socket()
+        except BaseException:
+            h.abort()
+            raise
+        self.addCleanup(h.finish)
+        return h.socket, h.log_path
 
     def ctl_json(self, sock, *args):
-        out = subprocess.run([SLIDEDPCTL, "--socket", sock, *args, "--json"], capture_output=True,
-                             text=True, timeout=60, check=True).stdout
-        return json.loads(out)
+        return ctl_json(SLIDEDPCTL, *args, socket=sock)
 
     def expect_failure(self, model, needles, *extra):
-        proc, sock, instance, log = self.start(model, *extra)
+        h = self.start(model, *extra)
         try:
-            rc = proc.wait(timeout=120)
+            rc = h.proc.wait(timeout=120)
         except subprocess.TimeoutExpired:
-            proc.kill()
-            self.fail("hostd kept running on a bad checkpoint: " + self.read(log))
-        text = self.read(log)
+            h.abort()
+            self.fail("hostd kept running on a bad checkpoint: " + h.output())
+        h.close()
+        text = h.output()
         self.assertNotEqual(rc, 0, text)
         for needle in needles:
             self.assertIn(needle, text)
-        self.assertFalse(os.path.exists(sock), "hostd served before failing")
-        self.assertEqual(shm_names(instance), [])
+        self.assertFalse(os.path.exists(h.socket), "hostd served before failing")
+        self.assertEqual(shm_names(h.instance), [])
         return text
 
     # The checks: checksums of every layer and the version-0 params through the rank ABI.
     def check_weights(self, sock, expected_bits):
         """expected_bits: tensor name -> array('I') of the FP32 master bits hostd must hold."""
         status = self.ctl_json(sock, "status")
-        checksums = {l["layer"]: l["checksum"] for l in self.ctl_json(sock, "layers", "--checksums")}
+        checksums = {l["layer"]: l["checksum"]
+                     for l in self.ctl_json(sock, "layers", "--checksums")}
         lib = self.lib
-        opts = Options(2, sock.encode(), None, 0, status["job"]["manifest_hash"].encode(), -1,
-                       10000)
+        opts = RankOptions(2, sock.encode(), None, 0, status["job"]["manifest_hash"].encode(),
+                           -1, 10000)
         h = ctypes.c_void_p()
         self.assertEqual(lib.slidedp_rank_attach(ctypes.byref(opts), ctypes.byref(h)), 0,
                          lib.slidedp_rank_last_error())

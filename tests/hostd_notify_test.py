@@ -19,26 +19,27 @@ import unittest
 import grpc
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from harness import HostdProcess  # noqa: E402
 from pbwire import pb, varint  # noqa: E402
 
 HOSTD = None
 
 
 def start_notified(model, tag, recv_timeout, *extra):
-    """hostd with a stand-in service manager: (process, its notify listener, its socket, log)."""
+    """hostd with a stand-in service manager: (its HostdProcess, its notify listener, its socket,
+    the HostdProcess again for the log). Readiness is the test's: READY=1 on the listener."""
     tmp = tempfile.mkdtemp(prefix="slidedp-notify-")
     notify_path = os.path.join(tmp, "notify.sock")
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     listener.bind(notify_path)
     listener.settimeout(recv_timeout)
-    sock = os.path.join(tmp, "hostd.sock")
     env = dict(os.environ, NOTIFY_SOCKET=notify_path, WATCHDOG_USEC="400000")
     env.pop("WATCHDOG_PID", None)
-    log = open(os.path.join(tmp, "hostd.log"), "w+")
-    p = subprocess.Popen([HOSTD, "--model", model, "--socket", sock, "--instance",
-                          f"{tag}{os.getpid()}", "--mlock", "best_effort", "--update_threads",
-                          "1", *extra], env=env, stdout=log, stderr=subprocess.STDOUT)
-    return p, listener, sock, log
+    h = HostdProcess(HOSTD, "--model", model, "--mlock", "best_effort", "--update_threads", "1",
+                     *extra, tmp=tmp, instance=f"{tag}{os.getpid()}",
+                     socket=os.path.join(tmp, "hostd.sock"), log_name="hostd.log", env=env,
+                     wait_ready=False).start()
+    return h, listener, h.socket, h
 
 
 class NotifyTest(unittest.TestCase):
@@ -82,13 +83,9 @@ class NotifyTest(unittest.TestCase):
                             f"no STOPPING=1: {messages[-3:]}")
             self.assertEqual(p.wait(timeout=30), 0)
         finally:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+            p.abort()  # killed if still running, its segments removed
             listener.close()
-            log.seek(0)
-            sys.stdout.write(log.read()[-2000:] if p.returncode else "")
-            log.close()
+            sys.stdout.write(log.output()[-2000:] if p.returncode else "")
 
     def test_watchdog_pings_while_a_job_is_created(self):
         """The unit's configuration: model none, the job from a trainer's CreateJob. Creating a
@@ -161,29 +158,17 @@ class NotifyTest(unittest.TestCase):
             p.send_signal(signal.SIGTERM)
             self.assertEqual(p.wait(timeout=60), 0)
         finally:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+            p.abort()  # killed if still running, its segments removed
             listener.close()
-            log.seek(0)
-            sys.stdout.write(log.read()[-2000:] if p.returncode else "")
-            log.close()
+            sys.stdout.write(log.output()[-2000:] if p.returncode else "")
 
     def test_no_notify_socket_is_silent(self):
         """Without NOTIFY_SOCKET hostd runs as before (started by hand)."""
-        tmp = tempfile.mkdtemp(prefix="slidedp-notify-")
-        sock = os.path.join(tmp, "hostd.sock")
         env = {k: v for k, v in os.environ.items() if k not in ("NOTIFY_SOCKET", "WATCHDOG_USEC")}
-        p = subprocess.Popen([HOSTD, "--model", "tiny", "--socket", sock, "--instance",
-                              f"nn{os.getpid()}", "--mlock", "best_effort", "--update_threads",
-                              "1"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
-        deadline = time.time() + 60
-        while not os.path.exists(sock):
-            self.assertIsNone(p.poll(), "hostd exited")
-            self.assertLess(time.time(), deadline)
-            time.sleep(0.05)
-        p.send_signal(signal.SIGTERM)
-        self.assertEqual(p.wait(timeout=30), 0)
+        # Exit 0 after SIGTERM, asserted when the block ends.
+        with HostdProcess(HOSTD, "--model", "tiny", "--mlock", "best_effort", "--update_threads",
+                          "1", tag="nn", env=env, stop_timeout_s=30):
+            pass
 
     def test_install_into_a_staging_root(self):
         """deploy/install.sh --root: the unit (Type=notify, watchdog, memlock, OOM score, user,

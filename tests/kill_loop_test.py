@@ -61,6 +61,9 @@ import tempfile
 import time
 import unittest
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from harness import HostdProcess, ctl_json  # noqa: E402
+
 HOSTD = SLIDEDPCTL = TRAINER = REFERENCE = None
 LOOPS = 100
 LAYERS, DIM, BATCH, CHUNK_BYTES, SEED = 4, 64, 16, 4096, 3
@@ -160,18 +163,19 @@ class Harness:
         self.rank_logs = {0: [], 1: []}
 
     def start_hostd(self):
-        path = os.path.join(self.tmp, f"hostd-{len(self.hostd_logs)}.log")
-        self.hostd_logs.append(path)
-        with open(path, "w") as log:
-            self.hostd = subprocess.Popen(
-                [HOSTD, "--model", "none", "--world_size", "2", "--socket", self.sock,
-                 "--instance", self.instance, "--mlock", "best_effort", "--update_threads", "1",
-                 "--heartbeat_interval_ms", "100", "--heartbeat_deadline_ms", "1000",
-                 "--recovery_on_inconsistent", self.policy] +
-                (["--checkpoint.dir", self.ckpt_dir, "--checkpoint.every_steps",
-                  str(self.ckpt_every), "--checkpoint.keep_last", str(self.ckpt_keep)]
-                 if self.ckpt_every else []),
-                stdout=log, stderr=subprocess.STDOUT)
+        """hostd on the one instance and socket, not waited for (the ranks re-attach); what a
+        killed one left in /dev/shm stays for it to adopt."""
+        name = f"hostd-{len(self.hostd_logs)}.log"
+        self.hostd_logs.append(os.path.join(self.tmp, name))
+        self.hostd = HostdProcess(
+            HOSTD, "--model", "none", "--world_size", "2", "--mlock", "best_effort",
+            "--update_threads", "1", "--heartbeat_interval_ms", "100",
+            "--heartbeat_deadline_ms", "1000", "--recovery_on_inconsistent", self.policy,
+            *(["--checkpoint.dir", self.ckpt_dir, "--checkpoint.every_steps",
+               str(self.ckpt_every), "--checkpoint.keep_last", str(self.ckpt_keep)]
+              if self.ckpt_every else []),
+            tmp=self.tmp, instance=self.instance, socket=self.sock, log_name=name,
+            wait_ready=False).start()
 
     def hostd_log(self):
         return read(self.hostd_logs[-1])
@@ -268,10 +272,7 @@ class Harness:
         return None
 
     def layers(self):
-        r = subprocess.run([SLIDEDPCTL, "--socket", self.sock, "layers", "--json", "--checksums"],
-                           capture_output=True, text=True, timeout=30)
-        assert r.returncode == 0, r.stderr
-        return json.loads(r.stdout)
+        return ctl_json(SLIDEDPCTL, "layers", "--checksums", socket=self.sock, timeout=30)
 
 
 def reference_checksums(world, steps, out):

@@ -31,6 +31,9 @@ import urllib.request
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "python_client"))
 sys.path.insert(0, os.path.join(ROOT, "examples"))
+sys.path.insert(0, os.path.join(ROOT, "tests"))
+from harness import HostdProcess  # noqa: E402
+
 HOSTD = CTL = LIB = None
 
 
@@ -68,6 +71,8 @@ class MetricsTest(unittest.TestCase):
         self.tmp = tempfile.mkdtemp(prefix="slidedp-metrics-")
         self.procs = []
         os.environ["SLIDEDP_RANK_LIB"] = LIB
+        # Cleanups run last first: a test's hostd stops before its directory goes.
+        self.addCleanup(subprocess.run, ["rm", "-rf", self.tmp])
 
     def tearDown(self):
         for p in self.procs:
@@ -77,7 +82,6 @@ class MetricsTest(unittest.TestCase):
                     p.wait(10)
                 except subprocess.TimeoutExpired:
                     p.kill()
-        subprocess.run(["rm", "-rf", self.tmp])
 
     def test_metrics_follow_training_and_watch_prints_each_step(self):
         import torch
@@ -90,24 +94,16 @@ class MetricsTest(unittest.TestCase):
                            text=True, timeout=300)
         self.assertEqual(r.returncode, 0, r.stderr)
         port = free_port()
-        sock = os.path.join(self.tmp, "h.sock")
-        log = open(os.path.join(self.tmp, "hostd.log"), "w+")
-        self.addCleanup(log.close)
         # The [metrics] table of a config file.
         cfg = os.path.join(self.tmp, "hostd.toml")
         with open(cfg, "w") as f:
             f.write(f'[metrics]\nlisten = "127.0.0.1:{port}"\n')
-        hostd = subprocess.Popen([HOSTD, "--config", cfg, "--model", d, "--socket", sock,
-                                  "--instance", f"met{os.getpid()}", "--mlock", "best_effort",
-                                  "--update_threads", "1", "--grad_dtype", "fp32"],
-                                 stdout=log, stderr=subprocess.STDOUT)
-        self.procs.append(hostd)
-        deadline = time.time() + 60
-        while not os.path.exists(sock):
-            if hostd.poll() is not None or time.time() > deadline:
-                log.seek(0)
-                self.fail(f"hostd did not start: {log.read()}")
-            time.sleep(0.05)
+        # Stopped by the harness after the test's cleanups: SIGTERM, exit 0, no segment left.
+        hostd = self.enterContext(HostdProcess(
+            HOSTD, "--config", cfg, "--model", d, "--mlock", "best_effort", "--update_threads",
+            "1", "--grad_dtype", "fp32", tmp=self.tmp, instance=f"met{os.getpid()}",
+            socket=os.path.join(self.tmp, "h.sock"), log_name="hostd.log"))
+        sock = hostd.socket
 
         before = scrape(port)
         build = [k for k in before if k[0] == "slidedp_build_info"]

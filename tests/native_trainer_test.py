@@ -15,12 +15,14 @@ import json
 import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
 import time
 import unittest
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from harness import HostdProcess  # noqa: E402
 
 HOSTD = SLIDEDPCTL = TRAINER = REFERENCE = None
 
@@ -30,15 +32,10 @@ CHUNK_BYTES = 4096
 PROC_TIMEOUT_S = 60
 
 
-def shm_names(instance):
-    return sorted(n for n in os.listdir("/dev/shm") if n.startswith(f"slidedp.{instance}."))
-
-
 class NativeTrainerTest(unittest.TestCase):
     def setUp(self):
         self.tmp = tempfile.mkdtemp(prefix="slidedp-native-")
         self.procs = []
-        self.instances = []
         self.files = []
 
     def tearDown(self):
@@ -48,36 +45,14 @@ class NativeTrainerTest(unittest.TestCase):
                 p.wait()
         for f in self.files:
             f.close()
-        for inst in self.instances:
-            for n in shm_names(inst):
-                os.unlink(os.path.join("/dev/shm", n))
         shutil.rmtree(self.tmp, ignore_errors=True)
 
-    def start_hostd(self, world_size, threads=1):
-        instance = f"nt{os.getpid()}r{world_size}t{threads}"
-        self.instances.append(instance)
-        socket = os.path.join(self.tmp, f"{instance}.sock")
-        log = open(os.path.join(self.tmp, f"{instance}.log"), "w+")
-        self.files.append(log)
-        proc = subprocess.Popen(
-            [HOSTD, "--model", "none", "--world_size", str(world_size), "--socket", socket,
-             "--instance", instance, "--mlock", "best_effort", "--update_threads", str(threads),
-             "--heartbeat_deadline_ms", "5000"],
-            stdout=log, stderr=subprocess.STDOUT)
-        self.procs.append(proc)
-        deadline = time.time() + 60
-        while not os.path.exists(socket):
-            if proc.poll() is not None or time.time() > deadline:
-                log.seek(0)
-                self.fail(f"hostd did not start (rc {proc.poll()}): {log.read()}")
-            time.sleep(0.05)
-        return proc, socket, instance, log
-
-    def ctl(self, socket, *args):
-        r = subprocess.run([SLIDEDPCTL, "--socket", socket, *args], capture_output=True,
-                           text=True, timeout=60)
-        self.assertEqual(r.returncode, 0, f"slidedpctl {args}: {r.stderr}")
-        return r.stdout
+    def hostd(self, world_size, threads=1):
+        """hostd for one job; its `with` block ends with SIGTERM, exit 0 and no segment left."""
+        return HostdProcess(
+            HOSTD, "--model", "none", "--world_size", str(world_size), "--mlock", "best_effort",
+            "--update_threads", str(threads), "--heartbeat_deadline_ms", "5000", tmp=self.tmp,
+            instance=f"nt{os.getpid()}r{world_size}t{threads}", slidedpctl=SLIDEDPCTL)
 
     def reference(self, world_size, model=()):
         out = os.path.join(self.tmp, f"reference{world_size}.json")
@@ -88,42 +63,37 @@ class NativeTrainerTest(unittest.TestCase):
             return json.load(f)
 
     def run_job(self, world_size, model=(), chunk_bytes=CHUNK_BYTES, threads=1):
-        hostd, socket, instance, hostd_log = self.start_hostd(world_size, threads)
-        trainers = []
-        for rank in range(world_size):
-            stamps = os.path.join(self.tmp, f"stamps{world_size}.{rank}.jsonl")
-            cmd = [TRAINER, "--socket", socket, "--rank", str(rank), "--world-size",
-                   str(world_size), "--steps", str(STEPS), "--chunk-bytes", str(chunk_bytes),
-                   "--timeout-ms", "30000", "--stamps", stamps, *model]
-            if rank == 0:
-                cmd.append("--create-job")
-            out = open(os.path.join(self.tmp, f"trainer{world_size}.{rank}.log"), "w+")
-            self.files.append(out)
-            p = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, text=True)
-            self.procs.append(p)
-            trainers.append((p, out, stamps))
-        deadline = time.time() + PROC_TIMEOUT_S
-        for p, _, _ in trainers:
-            try:
-                p.wait(timeout=max(1, deadline - time.time()))
-            except subprocess.TimeoutExpired:
-                pass
-        logs = []
-        for rank, (p, out, _) in enumerate(trainers):
-            out.seek(0)
-            logs.append(out.read())
-        for rank, (p, _, _) in enumerate(trainers):
-            if p.poll() is None or p.returncode != 0:
-                hostd_log.seek(0)
-                what = "did not finish" if p.poll() is None else f"exited {p.returncode}"
-                self.fail(f"R={world_size}: rank {rank} {what}\n{logs[rank]}\n"
-                          f"hostd:\n{hostd_log.read()}")
-        layers = json.loads(self.ctl(socket, "layers", "--json", "--checksums"))
-        hostd.send_signal(signal.SIGTERM)
-        hostd.wait(timeout=60)
-        hostd_log.seek(0)
-        self.assertEqual(hostd.returncode, 0, hostd_log.read())
-        self.assertEqual(shm_names(instance), [], "hostd left segments behind")
+        with self.hostd(world_size, threads) as hostd:
+            socket = hostd.socket
+            trainers = []
+            for rank in range(world_size):
+                stamps = os.path.join(self.tmp, f"stamps{world_size}.{rank}.jsonl")
+                cmd = [TRAINER, "--socket", socket, "--rank", str(rank), "--world-size",
+                       str(world_size), "--steps", str(STEPS), "--chunk-bytes", str(chunk_bytes),
+                       "--timeout-ms", "30000", "--stamps", stamps, *model]
+                if rank == 0:
+                    cmd.append("--create-job")
+                out = open(os.path.join(self.tmp, f"trainer{world_size}.{rank}.log"), "w+")
+                self.files.append(out)
+                p = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, text=True)
+                self.procs.append(p)
+                trainers.append((p, out, stamps))
+            deadline = time.time() + PROC_TIMEOUT_S
+            for p, _, _ in trainers:
+                try:
+                    p.wait(timeout=max(1, deadline - time.time()))
+                except subprocess.TimeoutExpired:
+                    pass
+            logs = []
+            for rank, (p, out, _) in enumerate(trainers):
+                out.seek(0)
+                logs.append(out.read())
+            for rank, (p, _, _) in enumerate(trainers):
+                if p.poll() is None or p.returncode != 0:
+                    what = "did not finish" if p.poll() is None else f"exited {p.returncode}"
+                    self.fail(f"R={world_size}: rank {rank} {what}\n{logs[rank]}\n"
+                              f"hostd:\n{hostd.output()}")
+            layers = hostd.ctl_json("layers", "--checksums")
         return layers, logs, [s for _, _, s in trainers]
 
     def check_stamps(self, world_size, stamp_files):

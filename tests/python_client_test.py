@@ -31,10 +31,8 @@ every step's |loss - reference| <= 2e-3 * reference loss; final parameters: rela
 >= 50% of the BF16 values identical (H200, tied/no recompute/2 micro-batches: 5.3e-5, 1.05e-3,
 66%).
 """
-import glob
 import json
 import os
-import signal
 import socket as socketlib
 import subprocess
 import sys
@@ -45,6 +43,9 @@ import unittest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "python_client"))
 sys.path.insert(0, os.path.join(ROOT, "examples"))
+sys.path.insert(0, os.path.join(ROOT, "tests"))
+from harness import HostdProcess, remove_shm  # noqa: E402
+
 HOSTD = LIB = None
 DEVICE = "cpu"
 LR, WD, BETAS, EPS = 1e-3, 0.01, (0.9, 0.999), 1e-8
@@ -118,6 +119,7 @@ class PythonClientTest(unittest.TestCase):
     def setUp(self):
         self.tmp = tempfile.mkdtemp(prefix="slidedp-pyclient-")
         self.procs = []
+        self.hostds = []
         self.refs = {}
         self.data = write_text(os.path.join(self.tmp, "data.txt"))
 
@@ -129,6 +131,12 @@ class PythonClientTest(unittest.TestCase):
                     p.wait(10)
                 except subprocess.TimeoutExpired:
                     p.kill()
+        for h in self.hostds:
+            try:
+                h.stop(timeout_s=10)
+            except AssertionError:
+                pass  # killed
+            h.close()
 
     def prepare(self, name, shape, seed=0):
         d = os.path.join(self.tmp, name)
@@ -139,24 +147,17 @@ class PythonClientTest(unittest.TestCase):
         return d
 
     def start_hostd(self, model_dir, world, tag, extra=()):
-        sock = os.path.join(self.tmp, f"{tag}.sock")
-        log = open(os.path.join(self.tmp, f"hostd-{tag}.log"), "w+")
-        p = subprocess.Popen([HOSTD, "--model", model_dir, "--world_size", str(world),
-                              "--socket", sock, "--instance", f"py{os.getpid()}{tag}",
-                              "--mlock", "best_effort", "--update_threads", "1",
-                              "--lr", str(LR), "--weight_decay", str(WD),
-                              "--beta1", str(BETAS[0]), "--beta2", str(BETAS[1]), "--eps",
-                              str(EPS), "--grad_dtype", "fp32" if DEVICE == "cpu" else "bf16",
-                              *extra],
-                             stdout=log, stderr=subprocess.STDOUT)
-        self.procs.append(p)
-        deadline = time.time() + 60
-        while not os.path.exists(sock):
-            if p.poll() is not None or time.time() > deadline:
-                log.seek(0)
-                self.fail(f"hostd did not start: {log.read()}")
-            time.sleep(0.05)
-        return sock, p, log
+        """hostd on instance py<pid><tag>; returns (socket, its HostdProcess)."""
+        h = HostdProcess(HOSTD, "--model", model_dir, "--world_size", str(world),
+                         "--mlock", "best_effort", "--update_threads", "1",
+                         "--lr", str(LR), "--weight_decay", str(WD),
+                         "--beta1", str(BETAS[0]), "--beta2", str(BETAS[1]), "--eps",
+                         str(EPS), "--grad_dtype", "fp32" if DEVICE == "cpu" else "bf16",
+                         *extra, tmp=self.tmp, instance=f"py{os.getpid()}{tag}",
+                         socket=os.path.join(self.tmp, f"{tag}.sock"),
+                         log_name=f"hostd-{tag}.log")
+        self.hostds.append(h)
+        return h.start().socket, h
 
     def run_ranks(self, sock, model_dir, world, tag, extra=(), steps=STEPS):
         env = dict(os.environ, SLIDEDP_RANK_LIB=LIB, OMP_NUM_THREADS="1")
@@ -220,13 +221,13 @@ class PythonClientTest(unittest.TestCase):
 
     def test_two_ranks_full_recompute_untied(self):
         d = self.prepare("untied", "qwen3-tiny")
-        sock, _, _ = self.start_hostd(d, 2, "a")
+        sock, _ = self.start_hostd(d, 2, "a")
         per_rank, dump = self.run_ranks(sock, d, 2, "a", ["--checkpointing", "full"])
         self.check_against_reference(d, per_rank, dump, "2 ranks, full recompute, untied")
 
     def test_two_ranks_no_recompute_tied_accumulation(self):
         d = self.prepare("tied", "qwen3-tiny-tied")
-        sock, _, _ = self.start_hostd(d, 2, "b")
+        sock, _ = self.start_hostd(d, 2, "b")
         per_rank, dump = self.run_ranks(sock, d, 2, "b", ["--checkpointing", "none",
                                                          "--accum", "2"])
         self.check_against_reference(d, per_rank, dump,
@@ -238,7 +239,7 @@ class PythonClientTest(unittest.TestCase):
         all-reduced over the process group); hostd updates only the other decoder layers and
         completes each step without them."""
         d = self.prepare("resident", "qwen3-tiny")
-        sock, _, _ = self.start_hostd(d, 2, "r")
+        sock, _ = self.start_hostd(d, 2, "r")
         # gloo: it all-reduces CUDA tensors too, and NCCL refuses two ranks on one GPU.
         per_rank, dump = self.run_ranks(sock, d, 2, "r", ["--checkpointing", "full",
                                                          "--nondecoder", "resident",
@@ -269,17 +270,14 @@ class PythonClientTest(unittest.TestCase):
         d = self.prepare("ckres", "qwen3-tiny")
         res = ["--checkpointing", "full", "--nondecoder", "resident"]
         # Tags unique in this file: an instance name of another test would re-adopt its state.
-        sock, _, _ = self.start_hostd(d, 1, "ru")
+        sock, _ = self.start_hostd(d, 1, "ru")
         full, full_dump = self.run_ranks(sock, d, 1, "ru", res, steps=6)
         ck = os.path.join(self.tmp, "ck")
-        sock, hostd, log = self.start_hostd(d, 1, "rc", ["--checkpoint.dir", ck,
-                                                        "--checkpoint.every_steps", "3",
-                                                        "--checkpoint.keep_last", "5"])
+        sock, hostd = self.start_hostd(d, 1, "rc", ["--checkpoint.dir", ck,
+                                                   "--checkpoint.every_steps", "3",
+                                                   "--checkpoint.keep_last", "5"])
         part, _ = self.run_ranks(sock, d, 1, "rc", res, steps=5)
-        hostd.send_signal(signal.SIGTERM)
-        self.assertEqual(hostd.wait(60), 0)
-        log.seek(0)
-        text = log.read()
+        text = hostd.finish()  # SIGTERM, exit 0, no segment left
         self.assertIn("asking rank 0 for its state of layers [0, 5, 6] at version 3", text)
         self.assertIn("checkpoint of step 3 committed", text)
         self.assertIn("at version 5 (uploaded by rank 0)", text)
@@ -290,7 +288,7 @@ class PythonClientTest(unittest.TestCase):
         step3 = os.path.join(ck, f"step-000000000003.py{os.getpid()}rc.default")  # instance, job
         for step_dir, tag, steps in ((step3, "r3", 3),
                                      (ck, "r5", 1)):  # the directory: its newest, step 5
-            sock, _, _ = self.start_hostd(d, 1, tag, ["--checkpoint.resume", step_dir])
+            sock, _ = self.start_hostd(d, 1, tag, ["--checkpoint.resume", step_dir])
             got, dump = self.run_ranks(sock, d, 1, tag, res, steps=steps)
             first = 6 - steps
             for k in range(steps):
@@ -301,7 +299,7 @@ class PythonClientTest(unittest.TestCase):
             for n, t in full_final.items():
                 self.assertTrue(torch.equal(final[n], t), f"{tag}: {n}")
         # Without the upload hostd's copy is stale: a resident attach to the job is refused.
-        sock, hostd, _ = self.start_hostd(d, 1, "rs")
+        sock, hostd = self.start_hostd(d, 1, "rs")
         env = dict(os.environ, SLIDEDP_RANK_LIB=LIB, OMP_NUM_THREADS="1",
                    PYTHONPATH=os.path.join(ROOT, "python_client"))
         code = ("import sys, torch, slidedp; sys.path.insert(0, %r); import train_hf\n"
@@ -339,11 +337,10 @@ class PythonClientTest(unittest.TestCase):
         runs = {}
         for tag, ckpt, ratio in [("o0", "none", "0"), ("o1", "none", "0.5"),
                                  ("o2", "full", "1.0")]:
-            sock, p, _ = self.start_hostd(d, 1, tag)
+            sock, p = self.start_hostd(d, 1, tag)
             runs[tag] = self.run_ranks(sock, d, 1, tag, ["--checkpointing", ckpt,
                                                          "--offload-ratio", ratio, *common])
-            p.terminate()
-            p.wait()
+            p.stop()
             label = f"1 rank, checkpointing {ckpt}, offload_ratio {ratio}, 2 micro-batches"
             self.check_against_reference(d, *runs[tag], label)
             log = runs[tag][0][0]
@@ -389,7 +386,7 @@ class PythonClientTest(unittest.TestCase):
         d = self.prepare("window", "qwen3-tiny-tied")
 
         def train(tag, **kw):
-            sock, p, _ = self.start_hostd(d, 1, tag)
+            sock, p = self.start_hostd(d, 1, tag)
             model = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.bfloat16)
             model.train()  # checkpointing recomputes in training mode only
             model, opt = slidedp.attach(model, hostd=sock, device="cpu", **kw)
@@ -403,8 +400,7 @@ class PythonClientTest(unittest.TestCase):
                 losses.append(float(loss))
             final = model.slidedp.fetch_state_dict()
             opt.close()
-            p.terminate()
-            p.wait()
+            p.stop()
             return losses, final
 
         base_losses, base_final = train("w0", checkpointing="none")
@@ -443,7 +439,7 @@ class PythonClientTest(unittest.TestCase):
         import train_hf
         d = os.path.join(self.tmp, "meta")
         train_hf.make_config("qwen3-tiny").save_pretrained(d)  # config only: hostd's init
-        sock, _, _ = self.start_hostd(d, 1, "m")
+        sock, _ = self.start_hostd(d, 1, "m")
         os.environ["SLIDEDP_RANK_LIB"] = LIB
         cfg = transformers.AutoConfig.from_pretrained(d)
         with torch.device("meta"):
@@ -478,7 +474,7 @@ class PythonClientTest(unittest.TestCase):
         import transformers
         import slidedp
         d = self.prepare("upl", "qwen3-tiny")
-        sock, _, _ = self.start_hostd(d, 1, "up")
+        sock, _ = self.start_hostd(d, 1, "up")
         os.environ["SLIDEDP_RANK_LIB"] = LIB
         model = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32)
         model.train()
@@ -541,7 +537,7 @@ class PythonClientTest(unittest.TestCase):
         import slidedp
         import train_hf
         d = self.prepare("bad", "qwen3-tiny")
-        sock, _, _ = self.start_hostd(d, 1, "c")
+        sock, _ = self.start_hostd(d, 1, "c")
         os.environ["SLIDEDP_RANK_LIB"] = LIB
 
         def model_of(shape):
@@ -615,9 +611,7 @@ class PythonClientTest(unittest.TestCase):
             opt.step()
         self.assertIn("opt.step() after 0 complete backward passes", str(cm.exception))
         # A dead hostd: the next step fails with UNAVAILABLE naming what it was doing, no hang.
-        hostd = self.procs[-1]
-        hostd.kill()
-        hostd.wait()
+        self.hostds[-1].kill()
         t0 = time.time()
         with self.assertRaises(slidedp.SlideDPError) as cm:
             model(input_ids=x, labels=x).loss.backward()
@@ -631,10 +625,8 @@ class PythonClientTest(unittest.TestCase):
             self.assertEqual(e.code, 14, str(e))
         # The killed hostd left its shared state for re-adoption (as it should); nobody will
         # adopt it: remove it, or every run of this test leaves ~70 MB in /dev/shm.
-        left = glob.glob(f"/dev/shm/slidedp.py{os.getpid()}c.*")
-        self.assertTrue(left, "a killed hostd leaves its segments for re-adoption")
-        for f in left:
-            os.remove(f)
+        self.assertTrue(remove_shm(self.hostds[-1].instance),
+                        "a killed hostd leaves its segments for re-adoption")
 
 
 def main():

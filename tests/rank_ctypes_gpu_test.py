@@ -16,12 +16,17 @@ import json
 import os
 import random
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
-import time
 import unittest
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from harness import HostdProcess, ctl_json, use_python_client  # noqa: E402
+
+use_python_client()
+from slidedp import _lib  # noqa: E402
+from slidedp._lib import GpuPlaneOptions, RankOptions  # noqa: E402
 
 HOSTD = SLIDEDPCTL = LIBPATH = None
 OK, INVALID_ARGUMENT, NOT_FOUND, FAILED_PRECONDITION, OUT_OF_RANGE = 0, 3, 5, 9, 11
@@ -29,95 +34,40 @@ BF16 = 2
 STEPS = 3
 
 
-class Options(ctypes.Structure):
-    _fields_ = [("abi_version", ctypes.c_uint32), ("socket", ctypes.c_char_p),
-                ("job_id", ctypes.c_char_p), ("rank", ctypes.c_uint32),
-                ("manifest_hash", ctypes.c_char_p), ("gpu", ctypes.c_int32),
-                ("timeout_ms", ctypes.c_uint32),
-                ("client_updated_layers", ctypes.POINTER(ctypes.c_uint32)),
-                ("num_client_updated_layers", ctypes.c_uint32)]
-
-
-class PlaneOptions(ctypes.Structure):
-    _fields_ = [("abi_version", ctypes.c_uint32), ("device", ctypes.c_int32),
-                ("window_slots", ctypes.c_uint32), ("h2d_chunk_bytes", ctypes.c_uint64),
-                ("param_route", ctypes.c_int32), ("reduce_in_fp32", ctypes.c_int32),
-                ("nccl_comm", ctypes.c_void_p),
-                ("staging_buffers", ctypes.c_uint32)]
-
-
-def load():
-    lib = ctypes.CDLL(LIBPATH)
-    vp, u32, u64, i32 = ctypes.c_void_p, ctypes.c_uint32, ctypes.c_uint64, ctypes.c_int
-    lib.slidedp_rank_last_error.restype = ctypes.c_char_p
-    lib.slidedp_rank_attach.argtypes = [ctypes.POINTER(Options), ctypes.POINTER(vp)]
-    lib.slidedp_rank_detach.argtypes = [vp]
-    lib.slidedp_rank_num_layers.argtypes = [vp, ctypes.POINTER(u32)]
-    lib.slidedp_rank_layer_numel.argtypes = [vp, u32, ctypes.POINTER(u64)]
-    lib.slidedp_rank_begin_step.argtypes = [vp, u64, u32]
-    lib.slidedp_rank_fetch_params.argtypes = [vp, u32, u64, vp, ctypes.c_size_t, u32,
-                                              ctypes.POINTER(u64)]
-    lib.slidedp_rank_push_grad.argtypes = [vp, u64, u32, vp, i32, ctypes.c_size_t, u32]
-    lib.slidedp_rank_wait_step.argtypes = [vp, u64, u32]
-    lib.slidedp_manifest_hash_from_hf_config.argtypes = [ctypes.c_char_p, ctypes.c_char_p,
-                                                         ctypes.c_size_t]
-    lib.slidedp_gpu_plane_create.argtypes = [vp, ctypes.POINTER(PlaneOptions), ctypes.POINTER(vp)]
-    lib.slidedp_gpu_plane_destroy.argtypes = [vp]
-    lib.slidedp_gpu_begin_step.argtypes = [vp, u64, u32]
-    lib.slidedp_gpu_fetch.argtypes = [vp, u32, u64, u32, ctypes.POINTER(u32), ctypes.POINTER(vp),
-                                      ctypes.POINTER(u64)]
-    lib.slidedp_gpu_wait_slot.argtypes = [vp, u32, vp]
-    lib.slidedp_gpu_release_slot.argtypes = [vp, u32, vp]
-    lib.slidedp_gpu_push_grad.argtypes = [vp, u64, u32, vp, i32, vp, u32]
-    lib.slidedp_gpu_wait_grad_consumed.argtypes = [vp, u32, vp]
-    lib.slidedp_gpu_wait_pushes.argtypes = [vp, u32]
-    return lib
-
-
 class RankCtypesGpuTest(unittest.TestCase):
     def setUp(self):
         self.tmp = tempfile.mkdtemp(prefix="slidedp-ctgpu-")
-        self.procs = []
-        self.lib = load()
+        self.hostds = []
+        self.lib = _lib.load(LIBPATH)
 
     def tearDown(self):
-        for p in self.procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+        for h in self.hostds:
+            h.abort()
         shutil.rmtree(self.tmp, ignore_errors=True)
 
     def ok(self, rc, what):
         self.assertEqual(rc, OK, f"{what}: {self.lib.slidedp_rank_last_error().decode()}")
 
     def hostd(self, tag, route):
-        sock = os.path.join(self.tmp, f"{tag}.sock")
-        p = subprocess.Popen(
-            [HOSTD, "--model", "tiny", "--seed", "5", "--socket", sock, "--instance",
-             f"ctg{os.getpid()}{tag}", "--mlock", "best_effort", "--grad_route", route,
-             "--chunk_bytes", "65536", "--update_threads", "4"],
-            stdout=open(os.path.join(self.tmp, f"{tag}.log"), "w"), stderr=subprocess.STDOUT)
-        self.procs.append(p)
-        deadline = time.time() + 60
-        while not os.path.exists(sock):
-            self.assertIsNone(p.poll(), "hostd exited")
-            self.assertLess(time.time(), deadline, "hostd did not start")
-            time.sleep(0.05)
-        return p, sock
+        h = HostdProcess(
+            HOSTD, "--model", "tiny", "--seed", "5", "--mlock", "best_effort", "--grad_route",
+            route, "--chunk_bytes", "65536", "--update_threads", "4", tmp=self.tmp,
+            instance=f"ctg{os.getpid()}{tag}", socket=os.path.join(self.tmp, f"{tag}.sock"),
+            slidedpctl=SLIDEDPCTL, log_name=f"{tag}.log")
+        self.hostds.append(h)
+        return h.start(), h.socket
 
     def attach(self, sock):
         h = ctypes.create_string_buffer(17)
         self.ok(self.lib.slidedp_manifest_hash_from_hf_config(b"tiny", h, 17), "hash")
-        o = Options(2, sock.encode(), None, 0, h.value, 0, 60000)
+        o = RankOptions(2, sock.encode(), None, 0, h.value, 0, 60000)
         handle = ctypes.c_void_p()
         self.ok(self.lib.slidedp_rank_attach(ctypes.byref(o), ctypes.byref(handle)), "attach")
         return handle
 
     def checksums(self, sock):
-        r = subprocess.run([SLIDEDPCTL, "--socket", sock, "layers", "--json", "--checksums"],
-                           capture_output=True, text=True, timeout=60)
-        self.assertEqual(r.returncode, 0, r.stderr)
-        return [(l["name"], l["version"], l["checksum"]) for l in json.loads(r.stdout)]
+        return [(l["name"], l["version"], l["checksum"])
+                for l in ctl_json(SLIDEDPCTL, "layers", "--checksums", socket=sock)]
 
     def test_gpu_plane_matches_host_path(self):
         import torch
@@ -135,13 +85,13 @@ class RankCtypesGpuTest(unittest.TestCase):
             self.ok(lib.slidedp_rank_layer_numel(g, l, ctypes.byref(v)), "numel")
             numel.append(v.value)
 
-        po = PlaneOptions(2, 0, 2, 8192, 1, 1, None)
+        po = GpuPlaneOptions(2, 0, 2, 8192, 1, 1, None)
         plane = ctypes.c_void_p()
         self.ok(lib.slidedp_gpu_plane_create(g, ctypes.byref(po), ctypes.byref(plane)), "create")
         stream = torch.cuda.current_stream()
         sp = ctypes.c_void_p(stream.cuda_stream)
         # Bad input through the GPU calls.
-        bad = PlaneOptions(2, 0, 2, 8192, 7, 1, None)
+        bad = GpuPlaneOptions(2, 0, 2, 8192, 7, 1, None)
         other = ctypes.c_void_p()
         self.assertEqual(lib.slidedp_gpu_plane_create(g, ctypes.byref(bad), ctypes.byref(other)),
                          INVALID_ARGUMENT)
@@ -198,9 +148,8 @@ class RankCtypesGpuTest(unittest.TestCase):
                          "hostd applied the GPU route's gradients chunk by chunk")
         self.ok(lib.slidedp_rank_detach(g), "detach")
         self.ok(lib.slidedp_rank_detach(c), "detach")
-        for p in (hg, hc):
-            p.send_signal(signal.SIGTERM)
-            self.assertEqual(p.wait(timeout=60), 0)
+        for h in (hg, hc):
+            h.finish()  # SIGTERM, exit 0, no segment left
 
 
 if __name__ == "__main__":

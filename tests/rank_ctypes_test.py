@@ -13,68 +13,28 @@ import ctypes
 import json
 import os
 import random
-import signal
 import struct
-import subprocess
 import sys
-import tempfile
-import time
 import unittest
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from harness import HostdProcess, use_python_client  # noqa: E402
+
+use_python_client()
+from slidedp import _lib  # noqa: E402
+from slidedp._lib import RankOptions as Options  # noqa: E402
 
 HOSTD = SLIDEDPCTL = LIBPATH = None
 
 OK, INVALID_ARGUMENT, NOT_FOUND, ALREADY_EXISTS = 0, 3, 5, 6
 UNIMPLEMENTED = 12
 FAILED_PRECONDITION, OUT_OF_RANGE, RESOURCE_EXHAUSTED = 9, 11, 8
-FP32, BF16 = 1, 2
-
-
-class Options(ctypes.Structure):
-    _fields_ = [("abi_version", ctypes.c_uint32), ("socket", ctypes.c_char_p),
-                ("job_id", ctypes.c_char_p), ("rank", ctypes.c_uint32),
-                ("manifest_hash", ctypes.c_char_p), ("gpu", ctypes.c_int32),
-                ("timeout_ms", ctypes.c_uint32),
-                ("client_updated_layers", ctypes.POINTER(ctypes.c_uint32)),
-                ("num_client_updated_layers", ctypes.c_uint32)]
+FP32, BF16 = _lib.DType.FP32, _lib.DType.BF16
 
 
 def load():
-    lib = ctypes.CDLL(LIBPATH)
-    lib.slidedp_rank_last_error.restype = ctypes.c_char_p
-    lib.slidedp_rank_attach.argtypes = [ctypes.POINTER(Options), ctypes.POINTER(ctypes.c_void_p)]
-    lib.slidedp_rank_detach.argtypes = [ctypes.c_void_p]
-    for name in ("num_layers", "world_size"):
-        getattr(lib, f"slidedp_rank_{name}").argtypes = [ctypes.c_void_p,
-                                                        ctypes.POINTER(ctypes.c_uint32)]
-    lib.slidedp_rank_layer_numel.argtypes = [ctypes.c_void_p, ctypes.c_uint32,
-                                             ctypes.POINTER(ctypes.c_uint64)]
-    lib.slidedp_rank_grad_dtype.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_int)]
-    lib.slidedp_rank_grad_route.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_int)]
-    lib.slidedp_rank_next_step.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_uint64)]
-    lib.slidedp_rank_begin_step.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32]
-    lib.slidedp_rank_fetch_params.argtypes = [
-        ctypes.c_void_p, ctypes.c_uint32, ctypes.c_uint64, ctypes.c_void_p, ctypes.c_size_t,
-        ctypes.c_uint32, ctypes.POINTER(ctypes.c_uint64)]
-    lib.slidedp_rank_push_grad.argtypes = [
-        ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_void_p, ctypes.c_int,
-        ctypes.c_size_t, ctypes.c_uint32]
-    lib.slidedp_rank_wait_step.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32]
-    lib.slidedp_manifest_hash_from_hf_config.argtypes = [ctypes.c_char_p, ctypes.c_char_p,
-                                                         ctypes.c_size_t]
-    lib.slidedp_rank_layer_info.argtypes = [ctypes.c_void_p, ctypes.c_uint32, ctypes.c_char_p,
-                                            ctypes.c_size_t, ctypes.POINTER(ctypes.c_uint32)]
-    lib.slidedp_rank_layer_tensor.argtypes = [
-        ctypes.c_void_p, ctypes.c_uint32, ctypes.c_uint32, ctypes.c_char_p, ctypes.c_size_t,
-        ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_uint64),
-        ctypes.POINTER(ctypes.c_int64), ctypes.c_uint32, ctypes.POINTER(ctypes.c_uint32)]
-    lib.slidedp_rank_optimizer_json.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_char_p,
-                                                ctypes.c_size_t]
-    lib.slidedp_manifest_layers_from_hf_config.argtypes = [ctypes.c_char_p, ctypes.c_char_p,
-                                                           ctypes.c_size_t]
-    lib.slidedp_rank_client_layer_view.argtypes = [
-        ctypes.c_void_p, ctypes.c_uint32, ctypes.POINTER(ctypes.c_void_p),
-        ctypes.POINTER(ctypes.c_uint64)]
-    return lib
+    """The library through slidedp._lib (its prototypes, ABI version check)."""
+    return _lib.load(LIBPATH)
 
 
 def bf16(x):
@@ -85,31 +45,15 @@ def bf16(x):
 class RankCtypesTest(unittest.TestCase):
     def setUp(self):
         self.lib = load()
-        self.tmp = tempfile.mkdtemp(prefix="slidedp-ctypes-")
-        self.sock = os.path.join(self.tmp, "hostd.sock")
-        self.instance = f"ct{os.getpid()}"
-        self.log = open(os.path.join(self.tmp, "hostd.log"), "w+")
-        self.hostd = subprocess.Popen(
-            [HOSTD, "--model", "tiny", "--socket", self.sock, "--instance", self.instance,
-             "--chunk_bytes", "4096", "--mlock", "best_effort", "--update_threads", "1"],
-            stdout=self.log, stderr=subprocess.STDOUT)
-        deadline = time.time() + 60
-        while not os.path.exists(self.sock):
-            self.assertIsNone(self.hostd.poll(), "hostd exited early")
-            self.assertLess(time.time(), deadline, "hostd did not start")
-            time.sleep(0.05)
-
-    def tearDown(self):
-        self.hostd.send_signal(signal.SIGTERM)
-        self.hostd.wait(timeout=30)
-        self.log.close()
-        left = [n for n in os.listdir("/dev/shm") if n.startswith(f"slidedp.{self.instance}.")]
-        self.assertEqual(left, [])
+        # Stopped with SIGTERM at the end of the test: exit 0, no segment of the instance left.
+        self.hostd = self.enterContext(HostdProcess(
+            HOSTD, "--model", "tiny", "--chunk_bytes", "4096", "--mlock", "best_effort",
+            "--update_threads", "1", tag="ct", slidedpctl=SLIDEDPCTL))
+        self.sock = self.hostd.socket
 
     def layers(self):
-        out = subprocess.run([SLIDEDPCTL, "--socket", self.sock, "layers", "--json",
-                              "--checksums"], capture_output=True, text=True, check=True).stdout
-        return {l["layer"]: (l["version"], l["checksum"]) for l in json.loads(out)}
+        return {l["layer"]: (l["version"], l["checksum"])
+                for l in self.hostd.ctl_json("layers", "--checksums")}
 
     def expect(self, code, rc, needle=None):
         msg = self.lib.slidedp_rank_last_error().decode()
