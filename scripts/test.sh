@@ -9,4 +9,8 @@ cd "$(dirname "$0")/.."
 scripts/bootstrap.sh
 scripts/bootstrap_python.sh
 scripts/build.sh
+# A user's build: the Release type, the project's defaults (no warnings as errors), no CUDA.
+cmake -S . -B "${RELEASE_BUILD_DIR:-build-release}" -G Ninja -DCMAKE_BUILD_TYPE=Release \
+  -DSLIDEDP_CUDA=OFF >/dev/null
+cmake --build "${RELEASE_BUILD_DIR:-build-release}" -j "${JOBS:-$(nproc)}"
 ctest --test-dir "${BUILD_DIR:-build}" --output-on-failure -j "${JOBS:-2}" "$@"

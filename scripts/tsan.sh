@@ -44,7 +44,7 @@ build() {
   if [ ! -f "$BUILD/build.ninja" ]; then
     # g++ warns that TSan does not model atomic_thread_fence (rankclient's seqlock read uses
     # one): a warning, not an error, here.
-    cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DSLIDEDP_TSAN=ON \
+    cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DSLIDEDP_TSAN=ON -DSLIDEDP_WERROR=ON \
       -DSLIDEDP_CUDA=OFF -DCMAKE_CXX_FLAGS=-Wno-error=tsan >/dev/null
   fi
   cmake --build "$BUILD" --target "${TESTS[@]}" -j "${JOBS:-2}"

@@ -301,7 +301,10 @@ int Run(const Args& a) {
 int main(int argc, char** argv) {
   spdlog::set_level(spdlog::level::warn);  // spdlog writes to stdout, where the JSON goes
   slidedp::hostd::Args a;
-  for (int i = 0; i < argc; ++i) a.command += (i ? " " : "") + std::string(argv[i]);
+  for (int i = 0; i < argc; ++i) {
+    if (i > 0) a.command += ' ';
+    a.command += argv[i];
+  }
   for (int i = 1; i < argc; ++i) {
     const std::string k = argv[i];
     if (i + 1 >= argc) return slidedp::hostd::Usage(("missing value for " + k).c_str());
