@@ -426,6 +426,120 @@ class PythonClientTest(unittest.TestCase):
             train("w5", cpu_window=True, window_slots=4)
         self.assertIn("window_slots: 4, expected >= 6", str(cm.exception))
 
+    def test_layout_candidates_bit_exact(self):
+        """Every activation candidate of a layout (F, Seg, SAC, N, each with offload ratios 0,
+        0.5 and 1; slidedp/policy.py) changes only what is saved: losses and hostd's final
+        parameters equal those of every layer recomputed (F) bit for bit, through the window's
+        schedule (BF16 compute) and the plain host copies, for the three families; a resident
+        layer (R) sees the same first loss. A layout's preflight estimate follows its kinds."""
+        import torch
+        import slidedp
+        import train_hf
+        from slidedp import preflight
+        if DEVICE != "cpu":
+            self.skipTest("runs in the CPU variant (python_client_test)")
+        os.environ["SLIDEDP_RANK_LIB"] = LIB
+
+        def train(d, tag, **kw):
+            sock, p = self.start_hostd(d, 1, tag)
+            model = train_hf.build_model(train_hf.make_config(shapes[d]), 0).to(torch.bfloat16)
+            model.train()
+            model, opt = slidedp.attach(model, hostd=sock, device="cpu", offload_min_bytes=0,
+                                        verify_init=False, **kw)
+            for layer in model.model.layers:
+                layer.mlp.down_proj.register_forward_pre_hook(count_replay)
+            tokens = train_hf.load_tokens(self.data, model.config.vocab_size, 1, 4 * 4 * 32)
+            losses, moved = [], 0
+            for k in range(3):
+                x = torch.from_numpy(train_hf.batch_rows(tokens, k, 4, 32).copy())
+                loss = model(input_ids=x, labels=x).loss
+                counts["backward"] = True
+                loss.backward()
+                counts["backward"] = False
+                stats = opt.step()
+                moved += stats["activation_offload_bytes"]
+                losses.append(float(loss))
+            final = model.slidedp.fetch_state_dict()
+            opt.close()
+            p.stop()
+            return losses, final, moved
+
+        # What backward replays: each decoder layer's down_proj forward starts again in backward
+        # (a pre-hook: checkpoint stops the replay once the last saved tensor is back)
+        # for F, Seg and SAC and not for N; SAC caches the matmul and attention outputs of its
+        # forward (the policy answers MUST_SAVE for them) for the replay.
+        from slidedp import policy as policy_mod
+        counts = {"backward": False, "replayed": 0, "cached": 0}
+        sac_policy = policy_mod._sac_policy
+
+        def counting_policy(ctx, func, *args, **kwargs):
+            verdict = sac_policy(ctx, func, *args, **kwargs)
+            if not ctx.is_recompute and func in policy_mod._SAC_SAVED:
+                counts["cached"] += 1
+            return verdict
+
+        def count_replay(module, args):
+            if counts["backward"]:
+                counts["replayed"] += 1
+
+        policy_mod._sac_policy = counting_policy
+        self.addCleanup(setattr, policy_mod, "_sac_policy", sac_policy)
+        shapes = {}
+        for shape in ("qwen3-tiny-tied", "llama-tiny", "qwen2-tiny"):
+            shapes[self.prepare("layout-" + shape, shape)] = shape
+        dirs = list(shapes)
+        base = {d: train(d, f"l{i}F", cpu_window=True, policy="4F-r0")
+                for i, d in enumerate(dirs)}
+        self.assertLess(base[dirs[0]][0][-1], base[dirs[0]][0][0])
+        self.assertEqual(base[dirs[0]][2], 0)
+        # Over the 3 steps: layers replayed in backward (F, Seg, SAC) and outputs SAC cached.
+        for i, (layout, replayed, sac) in enumerate((
+                ("4F-r0", 4, 0), ("4N-r0", 0, 0), ("4SAC-r0", 4, 4), ("4Seg-r0", 4, 0),
+                ("1F 1SAC 1N 1Seg", 3, 1))):
+            with self.subTest("what backward replays", policy=layout):
+                counts.update(replayed=0, cached=0)
+                train(dirs[0], f"m{i}", cpu_window=True, policy=layout)
+                self.assertEqual(counts["replayed"], 3 * replayed)
+                if sac:
+                    self.assertEqual(counts["cached"] % (3 * sac), 0)
+                    self.assertGreaterEqual(counts["cached"], 3 * sac * 7)
+                else:
+                    self.assertEqual(counts["cached"], 0)
+        cases = [
+            (0, "1Seg-r0 1SAC-r0 1N-r0 1F-r1", dict(cpu_window=True)),
+            (0, "1Seg-r0.5 1SAC-r0.5 1N-r0.5 1F-r0.5", dict(cpu_window=True)),
+            (0, "1N-r1 1Seg-r1 1SAC-r1 1F-r0", dict(cpu_window=True, window_slots=5,
+                                                    prefetch=1)),
+            (0, "1SAC-r1 1Seg-r0.5 1N-r0.5 1F-r1", dict(cpu_window=False)),
+            (1, "1Seg-r0 1SAC-r0.5 1N-r1 1F-r0", dict(cpu_window=True)),
+            (2, "1N-r0 1SAC-r1 1Seg-r0.5 1F-r0", dict(cpu_window=True)),
+        ]
+        for i, (di, layout, kw) in enumerate(cases):
+            with self.subTest(shapes[dirs[di]], policy=layout, **kw):
+                losses, final, moved = train(dirs[di], f"l{i}", policy=layout, **kw)
+                self.assertEqual(losses, base[dirs[di]][0])
+                for n, t in base[dirs[di]][1].items():
+                    self.assertTrue(torch.equal(final[n], t), n)
+                if "-r0.5" in layout or "-r1" in layout:
+                    self.assertGreater(moved, 0)
+        # r=0.5 moves about half of what r=1 moves, r=0 nothing (N layers, many saved tensors).
+        moved = {r: train(dirs[0], f"lr{i}", cpu_window=True, policy=f"4N-r{r}")[2]
+                 for i, r in enumerate((0, 0.5, 1))}
+        self.assertEqual(moved[0], 0)
+        self.assertGreater(moved[0.5], 0.3 * moved[1])
+        self.assertLess(moved[0.5], 0.7 * moved[1])
+        losses, _, _ = train(dirs[0], "lR", cpu_window=True, policy="1R 1RSeg 2F-r0")
+        self.assertEqual(losses[0], base[dirs[0]][0][0])
+        self.assertLess(losses[-1], losses[0])
+        cfg = train_hf.make_config("qwen3-4b")
+        est = {k: preflight.layout_activation_bytes(cfg, 1, 1024, [(k, 0.0)] * 36)
+               for k in ("F", "Seg", "SAC", "N")}
+        self.assertLess(est["F"], est["Seg"])
+        self.assertLess(est["Seg"], est["SAC"])
+        self.assertLess(est["SAC"], est["N"])
+        self.assertLess(preflight.layout_activation_bytes(cfg, 1, 1024, [("N", 1.0)] * 36),
+                        est["F"])
+
     def test_meta_model_resident_layers_start_from_hostds_fp32_master(self):
         """A meta model (hostd initializes the weights): the resident layers start from hostd's
         FP32 master, like hostd's own layers, not from its BF16 copy (a master on the BF16 grid
@@ -573,6 +687,17 @@ class PythonClientTest(unittest.TestCase):
             ("every layer resident", lambda: model_of("qwen3-tiny"),
              {"resident_layers": 4, "nondecoder": "resident"},
              "leaves hostd no layer to update; expected at most 3"),
+            ("layout of an unknown kind", lambda: model_of("qwen3-tiny"),
+             {"policy": "2F 2X"}, "policy: group '2X': expected <count><kind>[-r<ratio>]"),
+            ("layout of the wrong layer count", lambda: model_of("qwen3-tiny"),
+             {"policy": "3F-r0"}, "policy: '3F-r0' lists 3 decoder layers, the model has 4"),
+            ("layout offload ratio out of range", lambda: model_of("qwen3-tiny"),
+             {"policy": "2F-r1.5 2N"}, "policy: group '2F-r1.5': ratio '1.5', expected"),
+            ("resident group after a streamed one", lambda: model_of("qwen3-tiny"),
+             {"policy": "2F 2R"}, "policy: group '2R': resident groups (R) come first"),
+            ("layout next to checkpointing", lambda: model_of("qwen3-tiny"),
+             {"policy": "4N", "checkpointing": "none"},
+             "policy: '4N' with checkpointing='none': the layout says"),
             ("memory budget not positive", lambda: model_of("qwen3-tiny"),
              {"memory_budget": -1}, "memory_budget: -1, expected a number of bytes > 0"),
             ("weights differ from hostd's", lambda: train_hf.build_model(

@@ -14,7 +14,7 @@ import time
 import torch
 import torch.utils.checkpoint
 
-from . import preflight
+from . import policy, preflight
 from ._backends import _TORCH_DTYPE
 from ._lib import SlideDPError
 from ._resident import ResidentLayers
@@ -25,6 +25,18 @@ log = logging.getLogger("slidedp")
 
 def _in_backward():
     return torch._C._current_graph_task_id() != -1
+
+
+def _outside_dispatch_modes():
+    """The window's own work (fetching a layer's weights into its slot, prefetching the next
+    ones, releasing slots) runs inside a checkpointed layer, but is not the layer's computation:
+    a selective checkpoint's caching modes must not see it, since what it does in forward and in
+    the replay differs (which layers are prefetched depends on the direction)."""
+    try:
+        from torch.utils._python_dispatch import _disable_current_modes
+    except ImportError:  # pragma: no cover - every supported torch has it
+        return contextlib.nullcontext()
+    return _disable_current_modes()
 
 
 class _Layer:
@@ -206,17 +218,12 @@ class StreamedRuntime(ResidentLayers):
         available = budget if budget is not None else preflight.free_device_bytes(device)
         if available is None:  # the CPU without a budget: nothing to check against
             return
-        n = len(self.decoders)
-        # Layers recompute only in training mode (like HF's checkpointing).
-        recomputes = [training and self._recomputes(pos) for pos in range(n)]
-        recomputed = sum(recomputes)
-        # Layers keeping their activations whose saved tensors go to host memory (offload_ratio).
-        offloaded = 0 if self.offload is None else sum(
-            1 for pos in self.offload.positions if not recomputes[pos])
+        # Layers recompute only in training mode (like HF's checkpointing); offloading follows
+        # the saved-tensor hooks, on in both modes while gradients are enabled.
+        policies = [(p.kind if training else "N", p.ratio) for p in self.s["policies"]]
         seq = ids.shape[-1]
-        preflight.check_batch_fits(self.model_config, ids.numel() // max(1, seq), seq,
-                                   recomputed, n - recomputed, int(available), str(device),
-                                   offloaded=offloaded)
+        preflight.check_batch_fits(self.model_config, ids.numel() // max(1, seq), seq, policies,
+                                   int(available), str(device))
         self.shapes_checked.add(shape)
 
     def _kept_for_backward(self, layer):
@@ -236,6 +243,10 @@ class StreamedRuntime(ResidentLayers):
             layer.grads_seen = 0
 
     def _on_pre(self, idxs, module, args):
+        with _outside_dispatch_modes():
+            self._on_pre_unmoded(idxs)
+
+    def _on_pre_unmoded(self, idxs):
         for idx in idxs:
             layer = self._acquire(idx)
             if layer.kind == "decoder":
@@ -245,6 +256,11 @@ class StreamedRuntime(ResidentLayers):
     def _on_post(self, idxs, module, args, out, recompute=False):
         if _in_backward():
             return out
+        with _outside_dispatch_modes():
+            self._on_post_unmoded(idxs, recompute)
+        return out
+
+    def _on_post_unmoded(self, idxs, recompute):
         for idx in idxs:
             layer = self.layers[idx]
             if layer.kind != "decoder" or layer.flat is None:
@@ -261,7 +277,6 @@ class StreamedRuntime(ResidentLayers):
                 # tensors hold the host copy and the parameters stay in place until their
                 # gradients have accumulated.
                 self._release(layer)
-        return out
 
     def _pack(self, t):
         try:
@@ -355,28 +370,53 @@ class StreamedRuntime(ResidentLayers):
                 lambda m, a, o, idxs=idxs: self._on_post(idxs, m, a, o)))
 
     def _recomputes(self, pos):
-        """Whether decoder layer `pos` (forward order) is checkpointed: all ("full"), none, or
-        a fraction f of them spread evenly (layer pos when floor((pos+1)f) > floor(pos f))."""
-        return _spread(self.s["checkpointing"], pos)
+        """Whether decoder layer `pos` (forward order) replays anything in backward."""
+        return self.s["policies"][pos].kind != "N"
 
     def _wrap_decoder(self, module, idxs):
         # The fetch runs inside the checkpointed function, so the recompute in backward fetches
         # the layer again (module hooks may run outside a checkpoint, depending on the library).
         orig = module.forward
         pos = self.dec_pos[idxs[0]]
-        ckpt = self._recomputes(pos)
+        kind = self.s["policies"][pos].kind
+        ckpt = torch.utils.checkpoint.checkpoint
 
         def run(recompute, *args, **kwargs):
             self._on_pre(idxs, module, args)
             out = orig(*args, **kwargs)
             return self._on_post(idxs, module, args, out, recompute)
 
+        def attention_block(h, **kwargs):
+            self._on_pre(idxs, module, (h,))
+            a, _ = module.self_attn(hidden_states=module.input_layernorm(h), **kwargs)
+            return h + a
+
+        def mlp_block(h):
+            self._on_pre(idxs, module, (h,))
+            return h + module.mlp(module.post_attention_layernorm(h))
+
+        def segments(*args, **kwargs):
+            # The decoder layer's own forward in two checkpointed segments: residual + attention,
+            # residual + MLP, the same operations in the same order (policy.check_segmentable).
+            if len(args) != 1:
+                raise SlideDPError(9, f"policy Seg: decoder layer {pos} called with "
+                                      f"{len(args)} positional arguments, expected the hidden "
+                                      "states only")
+            a = ckpt(attention_block, args[0], use_reentrant=False, **kwargs)
+            out = ckpt(mlp_block, a, use_reentrant=False)
+            return self._on_post(idxs, module, args, out, True)
+
         def call(*args, **kwargs):
             # Like HF's own checkpointing: only in training mode.
-            if ckpt and module.training and torch.is_grad_enabled():
-                return torch.utils.checkpoint.checkpoint(run, True, *args, use_reentrant=False,
-                                                         **kwargs)
-            return run(False, *args, **kwargs)
+            if kind == "N" or not (module.training and torch.is_grad_enabled()):
+                return run(False, *args, **kwargs)
+            if kind == "Seg":
+                return segments(*args, **kwargs)
+            if kind == "SAC":
+                return ckpt(run, True, *args, use_reentrant=False,
+                            context_fn=policy.sac_context, **policy.SAC_CHECKPOINT_KWARGS,
+                            **kwargs)
+            return ckpt(run, True, *args, use_reentrant=False, **kwargs)
 
         def forward(*args, **kwargs):
             off = self.offload

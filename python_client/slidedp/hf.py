@@ -55,7 +55,8 @@ from ._backends import _CpuBackend, _CpuWindowBackend, _GpuBackend
 from ._lib import SlideDPError
 from ._optimizer import SlideDPOptimizer
 from ._runtime import StreamedRuntime, _Layer
-from .offload import ActivationOffload, spread as _spread
+from . import policy as _policy
+from .offload import ActivationOffload
 from .rank import RankHandle, manifest_hash, manifest_layers
 
 __all__ = ["attach", "SlideDPOptimizer", "StreamedRuntime", "SUPPORTED_FAMILIES"]
@@ -120,7 +121,7 @@ def attach(model, hostd="unix:///run/slidedp/hostd.sock", *, rank=None, world_si
            offload_min_bytes=65536, accumulation_steps=1, window_slots=None, prefetch=2,
            h2d_chunk_bytes=0, param_route="replicated", max_pending_grads=4, verify_init=True,
            time_waits=True, timeout_s=60, cpu_window=False, nondecoder="auto", resident_layers=0,
-           process_group=None, memory_budget=None, lib=None):
+           process_group=None, memory_budget=None, policy=None, lib=None):
     """Attaches an HF causal LM to hostd's job and returns (model, optimizer).
 
     hostd: its socket ("unix:///path" or a path). rank/world_size: default RANK/WORLD_SIZE
@@ -133,7 +134,12 @@ def attach(model, hostd="unix:///run/slidedp/hostd.sock", *, rank=None, world_si
     activations go to host memory during forward (pinned, copied on a side CUDA stream) and come
     back for backward one layer ahead; for a checkpointed layer that is its input, otherwise
     every tensor autograd saves in it except its parameters and tensors smaller than
-    offload_min_bytes (default 64 KiB). accumulation_steps: micro-batches per optimizer step
+    offload_min_bytes (default 64 KiB).
+    policy: a per-layer layout instead of checkpointing / offload_ratio / resident_layers, e.g.
+    "4R 24F-r0 4Seg-r0.5 4N" (groups in forward order: <count><kind>[-r<ratio>], kinds F full
+    recompute, Seg attention and MLP segments, SAC selective checkpoint, N none, R resident on
+    the device; r the fraction of a layer's saved bytes offloaded; slidedp/policy.py).
+    accumulation_steps: micro-batches per optimizer step
     (gradients accumulated in FP32 on the compute device). window_slots: GPU window size in
     layers (default: enough for the schedule). prefetch: decoder layers fetched ahead.
     verify_init: on a fresh job, check that hostd's weights equal the model's (BF16-rounded)
@@ -214,6 +220,19 @@ def attach(model, hostd="unix:///run/slidedp/hostd.sock", *, rank=None, world_si
             (world_size or 1) == 1 or pg_ready or process_group is not None) else "host"
     mlayers = manifest_layers(cfg_json, lib)
     dec_idx = [i for i, l in enumerate(mlayers) if l["kind"] == "LAYER_KIND_DECODER"]
+    if policy is not None:
+        given = [f"{k}={v!r}" for k, v, d in (("checkpointing", checkpointing, "full"),
+                                              ("offload_ratio", offload_ratio, 0.0),
+                                              ("resident_layers", resident_layers, 0)) if v != d]
+        if given:
+            raise SlideDPError(3, f"policy: {policy!r} with {', '.join(given)}: the layout says "
+                                  "what each layer saves, offloads and keeps resident; pass one "
+                                  "or the other")
+        policies = _policy.parse_layout(policy, len(dec_idx))
+        for pos, p in enumerate(policies):
+            if p.kind == "Seg":
+                _policy.check_segmentable(base.layers[pos], pos)
+        resident_layers = sum(p.resident for p in policies)
     if isinstance(resident_layers, bool) or not isinstance(resident_layers, int) or \
             not 0 <= resident_layers <= len(dec_idx):
         raise SlideDPError(3, f"resident_layers: {resident_layers!r}, expected an integer in "
@@ -222,6 +241,9 @@ def attach(model, hostd="unix:///run/slidedp/hostd.sock", *, rank=None, world_si
     resident = [i for i, l in enumerate(mlayers)
                 if l["kind"] != "LAYER_KIND_DECODER"] if nondecoder == "resident" else []
     resident = sorted(resident + dec_idx[:resident_layers])
+    if policy is None:
+        policies = _policy.legacy_layout(checkpointing, offload_ratio, resident_layers,
+                                         len(dec_idx))
     if len(resident) == len(mlayers):
         # hostd completes a step when the last of its layers is updated: it needs one.
         raise SlideDPError(3, f"resident_layers: {resident_layers} with nondecoder='resident' "
@@ -263,7 +285,7 @@ def attach(model, hostd="unix:///run/slidedp/hostd.sock", *, rank=None, world_si
                     world_size=rh.world_size)
             pg = torch.distributed.group.WORLD
         return _attach(model, base, rh, device, mhash, dict(
-            resident=set(resident), process_group=pg,
+            resident=set(resident), process_group=pg, policies=policies,
             checkpointing=checkpointing, accumulation_steps=int(accumulation_steps),
             offload_ratio=float(offload_ratio), offload_min_bytes=offload_min_bytes,
             window_slots=window_slots, prefetch=int(prefetch), h2d_chunk_bytes=h2d_chunk_bytes,
@@ -394,10 +416,9 @@ def _attach(model, base, rh, device, mhash, s):
         slots = s["window_slots"] or needed
         backend = _CpuBackend(rh, compute_dtype)
     offload = None
-    if s["offload_ratio"] > 0:
-        offload = ActivationOffload(device, [p for p in range(len(decoders))
-                                             if _spread(s["offload_ratio"], p)],
-                                    s["offload_min_bytes"], s["time_waits"])
+    ratios = {pos: p.ratio for pos, p in enumerate(s["policies"]) if p.ratio > 0}
+    if ratios:
+        offload = ActivationOffload(device, ratios, s["offload_min_bytes"], s["time_waits"])
     settings = dict(s, window_slots=slots, slots_needed=needed, placeholder=placeholder,
                     modules=modules, offload=offload)
     rt = StreamedRuntime(model, rh, backend, layers, decoders, settings)
@@ -420,13 +441,13 @@ def _attach(model, base, rh, device, mhash, s):
             return orig_forward(*args, **kwargs)
     model.forward = forward
     log.info("rank %d attached to %s: %d layers (%d decoder), %.2fB parameters, %s backend, "
-             "window %d slots, grad route %s, checkpointing %s, non-decoder layers %s, "
+             "window %d slots, grad route %s, layout %s, non-decoder layers %s, "
              "resident decoder layers %d, activation offload %s",
              rh.rank, rh.socket, len(layers), len(decoders), rt.nparams / 1e9, backend.name,
-             slots, rh.grad_route, s["checkpointing"],
+             slots, rh.grad_route, _policy.format_layout(s["policies"]),
              "resident (device AdamW)" if any(layers[i].kind != "decoder" for i in s["resident"])
              else "host-updated", sum(1 for i in s["resident"] if layers[i].kind == "decoder"),
-             f"r={s['offload_ratio']:g}: decoder layers {sorted(offload.positions)}"
+             f"decoder layers {sorted(offload.positions)}"
              if offload is not None else "off")
     return model, SlideDPOptimizer(rt)
 

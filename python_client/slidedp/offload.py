@@ -23,21 +23,13 @@ Host buffers come from a pool keyed by size: the first step allocates them, late
 same shapes reuse them (activation_offload_pool_bytes says how much is held).
 """
 import collections
-import math
 import threading
 import time
 import weakref
 
 import torch
 
-
-def spread(fraction, pos):
-    """Whether decoder layer `pos` (forward order) is among a fraction f of them spread evenly:
-    all for "full", none for "none", else layer pos when floor((pos+1)f) > floor(pos f) (f=0.5:
-    layers 1, 3, 5, ...; f=0.25: 3, 7, ...). Checkpointing and offload_ratio choose layers so."""
-    if fraction in ("full", "none"):
-        return fraction == "full"
-    return math.floor((pos + 1) * fraction + 1e-9) > math.floor(pos * fraction + 1e-9)
+from .policy import spread  # noqa: F401 (re-exported: attach and tests choose layers so)
 
 
 def _dense(t):
@@ -82,11 +74,16 @@ class OffloadedTensor:
 
 class ActivationOffload:
     def __init__(self, device, positions, min_bytes=64 << 10, time_waits=True):
+        """positions: the decoder positions (forward order) that offload, as {pos: ratio} (the
+        fraction of the layer's saved bytes moved, tensor by tensor) or an iterable (ratio 1)."""
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())  # as tensors say
         self.cuda = self.device.type == "cuda"
-        self.positions = frozenset(positions)  # decoder positions (forward order) offloaded
+        ratios = dict(positions) if isinstance(positions, dict) else dict.fromkeys(positions, 1.0)
+        self.ratios = {pos: float(r) for pos, r in ratios.items() if r > 0}
+        self.positions = frozenset(self.ratios)  # decoder positions (forward order) offloaded
+        self.seen_bytes = self.moved_bytes = 0  # the running layer's eligible and moved bytes
         self.min_bytes = int(min_bytes)
         self.time_waits = time_waits
         self.stream = torch.cuda.Stream(self.device) if self.cuda else None
@@ -122,6 +119,7 @@ class ActivationOffload:
     def begin_layer(self, pos):
         prev = self.cur
         self.cur = pos if pos in self.positions else None
+        self.seen_bytes = self.moved_bytes = 0
         return prev
 
     def end_layer(self, prev):
@@ -149,6 +147,14 @@ class ActivationOffload:
             src, handle = hit[0](), hit[1]()
             if src is t and handle is not None and handle.version == t._version:
                 return handle
+        # A fraction r of the layer's bytes, tensor by tensor in the order autograd saves them:
+        # a tensor moves when the bytes moved, with half of it, stay within r of those seen
+        # (r=1: all; r=0.5 of one tensor: it moves; of two equal ones: the second).
+        self.seen_bytes += nbytes
+        r = self.ratios[pos]
+        if r < 1.0 and self.moved_bytes + nbytes / 2 > r * self.seen_bytes:
+            return t
+        self.moved_bytes += nbytes
         buf = self._take(nbytes)
         # The host copy keeps the source's strides (the storage span of a dense tensor is its
         # size): backward computes on the same layout, so the results are the same bits.

@@ -5,8 +5,11 @@ batch that cannot fit fails with what would fit instead of an out-of-memory erro
 What is already allocated when the first forward runs -- the GPU window, the gradient staging
 buffers, resident layers with their FP32 master and moments -- is not estimated: it is out of the
 free memory the check compares with. What the step adds, per token:
-  * each recomputed decoder layer keeps its input: 2 h bytes (BF16);
-  * each other decoder layer keeps what autograd saves for backward. For a Llama/Qwen layer with
+  * each recomputed decoder layer (F) keeps its input: 2 h bytes (BF16); a segmented one (Seg)
+    its input and its attention block's output, 4 h; a selectively checkpointed one (SAC) its
+    input and its cached matmul and attention outputs; an offload ratio r removes r of what goes
+    through autograd's hooks (see saved_bytes_per_token);
+  * each other decoder layer (N) keeps what autograd saves for backward. For a Llama/Qwen layer with
     SDPA attention: 2 (10 h + 4 q + 4 kv + 4 f) bytes, h hidden, q = heads x head_dim,
     kv = kv_heads x head_dim, f = intermediate (norm inputs and outputs, the projections'
     inputs, q/k/v after rotary, attention output, the MLP's gate/up/act/product);
@@ -33,39 +36,74 @@ def layer_activation_bytes_per_token(config):
     return 2 * (10 * h + 4 * heads * hd + 4 * kv + 4 * f)
 
 
+def saved_bytes_per_token(config, kind):
+    """(bytes kept on the device per token by one decoder layer of this activation kind
+    (slidedp/policy.py), of which the part an offload ratio applies to)."""
+    h = int(config.hidden_size)
+    heads = int(config.num_attention_heads)
+    hd = int(getattr(config, "head_dim", None) or h // heads)
+    q = heads * hd
+    kv = int(getattr(config, "num_key_value_heads", None) or heads) * hd
+    f = int(config.intermediate_size)
+    if kind == "F":
+        return 2 * h, 2 * h  # the layer input
+    if kind == "Seg":
+        return 4 * h, 4 * h  # the layer input and the attention block's output
+    if kind == "SAC":
+        # The input (through autograd's hooks) and the cached matmul and attention outputs
+        # (q, k, v, attention, o_proj, gate, up, down), which stay on the device.
+        return 2 * h + 2 * (2 * q + 2 * kv + 2 * h + 2 * f), 2 * h
+    full = layer_activation_bytes_per_token(config)
+    return full, full
+
+
+def layout_activation_bytes(config, batch, seq, policies):
+    """Peak bytes a training step adds for `batch` x `seq` tokens with one (kind, ratio) per
+    decoder layer: what each keeps less what it offloads, plus the larger of the logits and one
+    layer's backward."""
+    tokens = int(batch) * int(seq)
+    full = layer_activation_bytes_per_token(config)
+    per_token = max(12 * int(config.vocab_size), 2 * full)
+    for kind, ratio in policies:
+        kept, movable = saved_bytes_per_token(config, kind)
+        per_token += kept - ratio * movable
+    return int(tokens * per_token)
+
+
 def step_activation_bytes(config, batch, seq, recomputed, kept, offloaded=0):
     """Peak bytes a training step adds for `batch` x `seq` tokens with `recomputed` decoder layers
     checkpointed and `kept` keeping their activations, `offloaded` of which keep them in host
     memory instead."""
-    tokens = int(batch) * int(seq)
-    full = layer_activation_bytes_per_token(config)
-    per_token = (recomputed * 2 * int(config.hidden_size) + (kept - offloaded) * full
-                 + max(12 * int(config.vocab_size), 2 * full))
-    return tokens * per_token
+    return layout_activation_bytes(
+        config, batch, seq, [("F", 0.0)] * recomputed + [("N", 1.0)] * offloaded +
+        [("N", 0.0)] * (kept - offloaded))
 
 
-def check_batch_fits(config, batch, seq, recomputed, kept, available, device="cuda",
-                     offloaded=0):
+def check_batch_fits(config, batch, seq, policies, available, device="cuda"):
     """Raises SlideDPError(RESOURCE_EXHAUSTED) naming the batch, the estimate, what is free and
-    the largest batch that fits (with this checkpointing and with full recompute)."""
-    need = step_activation_bytes(config, batch, seq, recomputed, kept, offloaded)
+    the largest batch that fits (with this layout and with full recompute). policies: one
+    (kind, ratio) per decoder layer."""
+    need = layout_activation_bytes(config, batch, seq, policies)
     if need <= available:
         return need
-    per_sample = step_activation_bytes(config, 1, seq, recomputed, kept, offloaded)
+    per_sample = layout_activation_bytes(config, 1, seq, policies)
     fits = int(available // per_sample)
-    layers = recomputed + kept
-    full_sample = step_activation_bytes(config, 1, seq, layers, 0)
+    full_sample = layout_activation_bytes(config, 1, seq, [("F", 0.0)] * len(policies))
     fits_full = int(available // full_sample)
     hint = f"batch <= {fits} fits" if fits >= 1 else "not even batch 1 fits"
-    if kept > 0:
-        hint += (f"; with checkpointing='full' batch <= {fits_full} fits" if fits_full >= 1 else
-                 "; not even with checkpointing='full'")
+    if any(k != "F" or r for k, r in policies):
+        hint += (f"; with every layer recomputed (F) batch <= {fits_full} fits"
+                 if fits_full >= 1 else "; not even with every layer recomputed (F)")
+    counts = {}
+    for k, r in policies:
+        key = k + (f"-r{r:g}" if r else "")
+        counts[key] = counts.get(key, 0) + 1
+    layout = ", ".join(f"{n} {k}" for k, n in counts.items())
     raise SlideDPError(8, (
         f"batch: {batch} x seq {seq} needs about {need / GiB:.1f} GiB of activations on {device} "
-        f"({recomputed} decoder layers recomputed, {kept} keeping their activations"
-        f"{f' ({offloaded} offloaded to the host)' if offloaded else ''}, logits over a vocab of "
-        f"{config.vocab_size}), but {available / GiB:.1f} GiB is free after the GPU window and "
-        f"resident layers; {hint} (seq {seq}). Nothing was sent to hostd."))
+        f"(decoder layers: {layout}; logits over a vocab of {config.vocab_size}), but "
+        f"{available / GiB:.1f} GiB is free after the GPU window and resident layers; {hint} "
+        f"(seq {seq}). Nothing was sent to hostd."))
 
 
 def free_device_bytes(device):
