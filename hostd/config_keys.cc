@@ -392,10 +392,12 @@ std::vector<KeyDescriptor> BuildKeys() {
   k.push_back(ProtoEnumKey<slidedp::v1::GradRoute>(
       "grad_route", routes,
       "How gradients are reduced: cpu_reduction (hostd sums the ranks' pushes), gpu_reduction "
-      "(NCCL all-reduce, one rank pushes) or reduce_scatter (each rank pushes its shard).",
+      "(NCCL all-reduce, one rank pushes), reduce_scatter (each rank pushes its shard) or auto "
+      "(chosen when the first rank attaches: GPU ranks gpu_reduction, CPU ranks cpu_reduction).",
       {{"cpu_reduction", slidedp::v1::GRAD_ROUTE_CPU_REDUCTION},
        {"gpu_reduction", slidedp::v1::GRAD_ROUTE_GPU_REDUCTION},
-       {"reduce_scatter", slidedp::v1::GRAD_ROUTE_REDUCE_SCATTER}},
+       {"reduce_scatter", slidedp::v1::GRAD_ROUTE_REDUCE_SCATTER},
+       {"auto", slidedp::v1::GRAD_ROUTE_AUTO}},
       "cpu_reduction", [](const HostdConfig& c) { return c.routes.grad_route(); },
       [](HostdConfig& c, slidedp::v1::GradRoute v) { c.routes.set_grad_route(v); }));
   k.push_back(SizeKey(
@@ -411,7 +413,9 @@ std::vector<KeyDescriptor> BuildKeys() {
                      "closest to the GPUs).",
                      &HostdConfig::numa_node));
   k.push_back(IntKey("update_threads", engine,
-                     "Optimizer worker threads, >= 0; 0: all cores of the state's NUMA node.",
+                     "Optimizer worker threads, >= 0; 0: auto, the cores of the state's NUMA "
+                     "node less 2 per rank of world_size and 2 for hostd's own threads (at "
+                     "least 1).",
                      &HostdConfig::update_threads));
   k.push_back(StringEnumKey("isa", engine, "Adam kernel; auto picks the best the CPU supports.",
                             {"auto", "scalar", "avx2", "avx512", "avx512bf16"}, &HostdConfig::isa));

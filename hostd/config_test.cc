@@ -95,7 +95,7 @@ TEST(ConfigTest, Defaults) {
   EXPECT_EQ(o.grad_dtype(), slidedp::v1::DTYPE_BF16);
   EXPECT_TRUE(o.scale_by_world_size());
   EXPECT_EQ(c.config.routes.param_route(), slidedp::v1::PARAM_ROUTE_REPLICATED);
-  EXPECT_EQ(c.config.routes.grad_route(), slidedp::v1::GRAD_ROUTE_CPU_REDUCTION);
+  EXPECT_EQ(c.config.routes.grad_route(), slidedp::v1::GRAD_ROUTE_AUTO);
   EXPECT_EQ(c.config.routes.chunk_bytes(), 16u << 20);
   EXPECT_EQ(c.config.numa_node, -1);
   EXPECT_EQ(c.config.update_threads, 0);
@@ -119,7 +119,7 @@ TEST(ConfigTest, Defaults) {
   EXPECT_EQ(Entry(c, "eps").value, "1e-08");
   EXPECT_EQ(Entry(c, "max_grad_norm").value, "1.0");
   EXPECT_EQ(Entry(c, "chunk_bytes").value, "16MiB");
-  EXPECT_EQ(Entry(c, "grad_route").value, "cpu_reduction");
+  EXPECT_EQ(Entry(c, "grad_route").value, "auto");
   EXPECT_EQ(Entry(c, "schedule").value, "constant");
   EXPECT_EQ(Entry(c, "no_decay_norms_and_biases").value, "true");
   EXPECT_EQ(Entry(c, "numa_node").value, "-1");
@@ -371,7 +371,7 @@ INSTANTIATE_TEST_SUITE_P(
     ::testing::Values(
         PrecedenceKey{"lr", "0.1", "0.2", "0.3", "0.0001", "0.1", "0.2", "0.3"},
         PrecedenceKey{"grad_route", "\"gpu_reduction\"", "reduce_scatter", "cpu_reduction",
-                      "cpu_reduction", "gpu_reduction", "reduce_scatter", "cpu_reduction"},
+                      "auto", "gpu_reduction", "reduce_scatter", "cpu_reduction"},
         PrecedenceKey{"chunk_bytes", "\"8KiB\"", "16384", "1G", "16MiB", "8KiB", "16KiB", "1GiB"},
         PrecedenceKey{"world_size", "2", "3", "4", "1", "2", "3", "4"},
         PrecedenceKey{"scale_by_world_size", "false", "true", "false", "true", "false", "true",

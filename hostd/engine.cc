@@ -40,6 +40,28 @@ constexpr uint32_t kGradRingSlots = 4;
 // GPU reduction routes: the rank that pushes the aggregated gradient.
 constexpr uint32_t kGradPushingRank = 0;
 
+// The reducer's route and pushing ranks for a job's gradient route.
+void ReducerRoute(slidedp::v1::GradRoute route, uint32_t world_size,
+                  GradientReducer::Route* reducer_route, std::vector<uint32_t>* pushing_ranks) {
+  pushing_ranks->clear();
+  switch (route) {
+    case slidedp::v1::GRAD_ROUTE_REDUCE_SCATTER:
+      // Every rank pushes its shard of the aggregated gradient (shm::ShardOf).
+      *reducer_route = GradientReducer::Route::kShards;
+      for (uint32_t r = 0; r < world_size; ++r) pushing_ranks->push_back(r);
+      break;
+    case slidedp::v1::GRAD_ROUTE_GPU_REDUCTION:
+      // One rank pushes the whole aggregated gradient: the one-shard case of the shard route.
+      *reducer_route = GradientReducer::Route::kShards;
+      pushing_ranks->push_back(kGradPushingRank);
+      break;
+    default:
+      *reducer_route = GradientReducer::Route::kSum;
+      for (uint32_t r = 0; r < world_size; ++r) pushing_ranks->push_back(r);
+      break;
+  }
+}
+
 // True when every layer has reached version `step`: the step's updates are all published and
 // only the update worker's completion callbacks (OnLayerDone) are left to close the step. A rank
 // sees the step done (WaitStep) at this point, so its detach or exit must not abort the step.
@@ -142,7 +164,8 @@ absl::Status Engine::Init(std::optional<Topology> topology) {
     ASSIGN_OR_RETURN(topology_, DiscoverTopology());
   }
   ASSIGN_OR_RETURN(state_node_, ChooseStateNode(topology_, config_.numa_node));
-  ASSIGN_OR_RETURN(worker_cpus_, WorkerCpus(topology_, state_node_, config_.update_threads));
+  ASSIGN_OR_RETURN(worker_cpus_, WorkerCpus(topology_, state_node_, config_.update_threads,
+                                            config_.world_size));
   ASSIGN_OR_RETURN(isa_, ChooseIsa(config_.isa));
   // Held for this engine's life: no other hostd adopts, removes or recreates our segments. Its
   // mode and group (shm_mode, shm_group) are those of the segments ranks map and the socket.
@@ -157,9 +180,14 @@ absl::Status Engine::Init(std::optional<Topology> topology) {
   ASSIGN_OR_RETURN(pool_, ThreadPool::Create(po));
   spdlog::info(
       "topology: {} NUMA node(s), {} cores, {} GPU(s); state on node {}; {} update "
-      "threads; ISA {}",
+      "threads ({}); ISA {}",
       topology_.nodes.size(), topology_.cores, topology_.gpus.size(), state_node_,
-      worker_cpus_.size(), kernels::IsaName(isa_));
+      worker_cpus_.size(),
+      config_.update_threads == 0
+          ? absl::StrCat("auto: the node's cores less ", kCoresPerRank, " for each of ",
+                         config_.world_size, " rank(s) and ", kCoresForHostd, " for hostd")
+          : std::string("set"),
+      kernels::IsaName(isa_));
 
   if (!config_.checkpoint.resume.empty()) {
     // Everything about the checkpoint is checked before any memory is committed.
@@ -697,26 +725,13 @@ absl::Status Engine::CreateJobUnlocked(slidedp::v1::JobSpec spec, model::LoadedM
   ro.granularity = config_.update_granularity == "layer"   ? GradientReducer::Granularity::kLayer
                    : config_.update_granularity == "chunk" ? GradientReducer::Granularity::kChunk
                                                            : GradientReducer::Granularity::kAuto;
-  switch (routes->grad_route()) {
-    case slidedp::v1::GRAD_ROUTE_REDUCE_SCATTER:
-      // Every rank pushes its shard of the aggregated gradient (shm::ShardOf).
-      ro.route = GradientReducer::Route::kShards;
-      for (uint32_t r = 0; r < spec.world_size(); ++r) ro.pushing_ranks.push_back(r);
-      break;
-    case slidedp::v1::GRAD_ROUTE_GPU_REDUCTION:
-      // One rank pushes the whole aggregated gradient: the one-shard case of the shard route.
-      ro.route = GradientReducer::Route::kShards;
-      ro.pushing_ranks.push_back(kGradPushingRank);
-      break;
-    default:
-      ro.route = GradientReducer::Route::kSum;
-      for (uint32_t r = 0; r < spec.world_size(); ++r) ro.pushing_ranks.push_back(r);
-      if (ro.granularity == GradientReducer::Granularity::kChunk) {
-        spdlog::warn(
-            "update_granularity is chunk, but grad_route cpu_reduction sums whole layers on the "
-            "host: every layer is updated whole");
-      }
-      break;
+  // grad_route auto: CPU reduction's reducer until the first rank attaches (AttachRank).
+  ReducerRoute(routes->grad_route(), spec.world_size(), &ro.route, &ro.pushing_ranks);
+  if (routes->grad_route() == slidedp::v1::GRAD_ROUTE_CPU_REDUCTION &&
+      ro.granularity == GradientReducer::Granularity::kChunk) {
+    spdlog::warn(
+        "update_granularity is chunk, but grad_route cpu_reduction sums whole layers on the "
+        "host: every layer is updated whole");
   }
   // The reducer calls the worker directly (never under mu_: lock order is engine, then reducer).
   reducer_ = std::make_unique<GradientReducer>(
@@ -730,6 +745,10 @@ absl::Status Engine::CreateJobUnlocked(slidedp::v1::JobSpec spec, model::LoadedM
       });
   reducer_->Start();
   ranks_.Reset(spec.world_size());
+  route_ = RouteChoice{};
+  route_.route = routes->grad_route();
+  route_.automatic = route_.route == slidedp::v1::GRAD_ROUTE_AUTO;
+  route_.why = route_.automatic ? "" : "set";
   last_grad_norm_.assign(state_->num_layers(), 0.0);
   job_ = std::move(spec);
   return absl::OkStatus();
@@ -829,6 +848,15 @@ absl::StatusOr<slidedp::v1::AttachRankResponse> Engine::AttachRank(
                      " but the job's is ", have, "; the rank must build the same model as hostd"));
   }
   RETURN_IF_ERROR(ranks_.CheckAttachable(r.rank()));
+  // grad_route auto: the first rank to attach (none attached) decides; the others must match.
+  std::optional<RouteChoice> new_route;
+  if (job_->routes().grad_route() == slidedp::v1::GRAD_ROUTE_AUTO && !ranks_.AnyAttached()) {
+    RouteChoice c = ChooseGradRoute(slidedp::v1::GRAD_ROUTE_AUTO, job_->world_size(), r.rank(),
+                                    r.gpu());
+    if (c.route != route_.route) new_route = std::move(c);
+  } else {
+    RETURN_IF_ERROR(CheckRankDevice(route_, r.rank(), r.gpu()));
+  }
   ASSIGN_OR_RETURN(std::vector<uint32_t> client_layers,
                    client_.NormalizeSet(std::vector<uint32_t>(r.client_updated_layers().begin(),
                                                               r.client_updated_layers().end())));
@@ -866,6 +894,19 @@ absl::StatusOr<slidedp::v1::AttachRankResponse> Engine::AttachRank(
       }
     }
   }
+  if (new_route) {
+    GradientReducer::Route rr;
+    std::vector<uint32_t> pushing;
+    ReducerRoute(new_route->route, job_->world_size(), &rr, &pushing);
+    if (absl::Status st = reducer_->SetRoute(rr, std::move(pushing)); !st.ok()) {
+      return absl::UnavailableError(
+          absl::StrCat("grad_route auto: cannot switch the route now (", st.message(),
+                       "); attach again once the aborted step has drained"));
+    }
+    spdlog::info("grad_route auto: {} ({})", DescribeRouteChoice(*new_route),
+                 slidedp::v1::GradRoute_Name(new_route->route));
+    route_ = *std::move(new_route);
+  }
   const std::string& token =
       ranks_.Attach(r.rank(), r.pid(), r.hostname(), r.gpu(), SteadyClock::now());
   shm::RankSlot& slot = state_->rank_slot(r.rank());
@@ -883,7 +924,7 @@ absl::StatusOr<slidedp::v1::AttachRankResponse> Engine::AttachRank(
   layout->set_world_size(job_->world_size());
   layout->set_grad_ring_slots(state_->grad_ring_slots());
   layout->set_grad_dtype(job_->optimizer().grad_dtype());
-  layout->set_grad_route(job_->routes().grad_route());
+  layout->set_grad_route(route_.route);
   layout->set_grad_pushing_rank(kGradPushingRank);  // GPU reduction only; RS: every rank pushes
   for (uint32_t l : client_.layers()) layout->add_client_updated_layers(l);
   for (const auto& seg : state_->segments()) {
@@ -1309,6 +1350,8 @@ absl::StatusOr<slidedp::v1::GetStatusResponse> Engine::GetStatus() {
   if (!job_) return resp;
   JobSnapshot job;
   job.spec = *job_;
+  job.grad_route = route_.route;
+  job.grad_route_choice = DescribeRouteChoice(route_);
   job.optimizer = worker_->optimizer();
   job.model_name = state_->model().manifest.name();
   job.family = state_->model().manifest.family();

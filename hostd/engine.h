@@ -65,6 +65,7 @@
 #include "hostd/optimizer.h"
 #include "hostd/rank_table.h"
 #include "hostd/reducer.h"
+#include "hostd/route_choice.h"
 #include "hostd/state.h"
 #include "hostd/step_sequencer.h"
 #include "hostd/topology.h"
@@ -290,6 +291,10 @@ class Engine {
   uint64_t start_step_ ABSL_GUARDED_BY(mu_) = 0;   // the version the job started at
   RankTable ranks_ ABSL_GUARDED_BY(mu_);
   StepSequencer seq_ ABSL_GUARDED_BY(mu_);
+  // The gradient route in effect and how it was chosen (hostd/route_choice.h); under grad_route
+  // auto, GRAD_ROUTE_AUTO until the first rank attaches, then re-chosen whenever a rank attaches
+  // to the job with none attached.
+  RouteChoice route_ ABSL_GUARDED_BY(mu_);
   bool pool_prepare_asked_ ABSL_GUARDED_BY(mu_) = false;  // PreparePool asked (once)
   // The layers the ranks update themselves and hostd's copy of them (set by the rank that
   // attaches when no other is attached; the others must send the same set). They never get a

@@ -57,6 +57,10 @@ slidedp::v1::JobStatus RenderJob(const JobSnapshot& s) {
   js.set_total_params(s.total_params);
   js.set_manifest_hash(s.manifest_hash);
   *js.mutable_routes() = s.spec.routes();
+  if (s.grad_route != slidedp::v1::GRAD_ROUTE_UNSPECIFIED) {
+    js.mutable_routes()->set_grad_route(s.grad_route);
+  }
+  js.set_grad_route_choice(s.grad_route_choice);
   *js.mutable_optimizer() = s.optimizer;
   js.set_current_lr(model::LearningRate(s.optimizer, s.next_step));
   js.set_weights_source(s.weights_source);

@@ -27,6 +27,7 @@
 #include "common/instance_files.h"
 #include "common/shm_segment.h"
 #include "common/version.h"
+#include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "hostd/service.h"
 #include "hostd/test_util.h"
@@ -40,6 +41,7 @@ namespace {
 
 namespace v1 = slidedp::v1;
 using testing::UniqueInstance;
+using ::testing::HasSubstr;
 
 class EngineTest : public ::testing::Test {
  protected:
@@ -80,12 +82,13 @@ class EngineTest : public ::testing::Test {
   uint64_t Checksum() { return engine_->state() ? engine_->state()->Checksum() : 0; }
   std::string Hash() { return engine_->state()->model().manifest.manifest_hash(); }
 
-  v1::AttachRankResponse Attach(uint32_t rank) {
+  v1::AttachRankResponse Attach(uint32_t rank, int32_t gpu = -1) {
     grpc::ClientContext ctx;
     v1::AttachRankRequest req;
     req.set_rank(rank);
     req.set_manifest_hash(Hash());
     req.set_pid(getpid());
+    req.set_gpu(gpu);
     v1::AttachRankResponse resp;
     grpc::Status s = stub_->AttachRank(&ctx, req, &resp);
     EXPECT_TRUE(s.ok()) << s.error_message();
@@ -1058,6 +1061,71 @@ TEST_F(EngineTest, CommIdsLiveWithRankZerosAttachmentAcrossAttachCycles) {
     ASSERT_TRUE(detach(1, t1).ok());
     ASSERT_TRUE(detach(0, t0).ok());
   }
+}
+
+// grad_route auto (the default): the first rank to attach to a job with none attached picks the
+// route from its device -- GPU reduction for a GPU rank, CPU reduction for a CPU rank -- and the
+// ranks after it must be on the same kind of device; an explicit route stands whatever attaches.
+TEST_F(EngineTest, GradRouteAutoFollowsWhatAttaches) {
+  config_.world_size = 2;
+  Start();
+  auto status = [&] {
+    grpc::ClientContext ctx;
+    v1::GetStatusResponse st;
+    EXPECT_TRUE(stub_->GetStatus(&ctx, v1::GetStatusRequest(), &st).ok());
+    return st.job();
+  };
+  auto detach = [&](uint32_t rank, const std::string& token) {
+    grpc::ClientContext ctx;
+    v1::DetachRankRequest d;
+    d.set_rank(rank);
+    d.set_attach_token(token);
+    v1::DetachRankResponse dr;
+    ASSERT_TRUE(stub_->DetachRank(&ctx, d, &dr).ok());
+  };
+  EXPECT_EQ(status().routes().grad_route(), v1::GRAD_ROUTE_AUTO);
+  EXPECT_EQ(status().grad_route_choice(), "auto: chosen when the first rank attaches");
+  for (int cycle = 0; cycle < 2; ++cycle) {
+    SCOPED_TRACE(cycle);
+    v1::AttachRankResponse g0 = Attach(0, /*gpu=*/0);
+    EXPECT_EQ(g0.layout().grad_route(), v1::GRAD_ROUTE_GPU_REDUCTION);
+    EXPECT_EQ(status().routes().grad_route(), v1::GRAD_ROUTE_GPU_REDUCTION);
+    EXPECT_THAT(status().grad_route_choice(), HasSubstr("auto: rank 0 attached first, on GPU 0"));
+    {
+      grpc::ClientContext ctx;
+      v1::AttachRankRequest req;
+      req.set_rank(1);
+      req.set_manifest_hash(Hash());
+      req.set_gpu(-1);
+      v1::AttachRankResponse resp;
+      grpc::Status s = stub_->AttachRank(&ctx, req, &resp);
+      EXPECT_EQ(s.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+      EXPECT_THAT(s.error_message(), HasSubstr("gpu: rank 1 attaches on the CPU"));
+    }
+    v1::AttachRankResponse g1 = Attach(1, /*gpu=*/1);
+    EXPECT_EQ(g1.layout().grad_route(), v1::GRAD_ROUTE_GPU_REDUCTION);
+    detach(0, g0.attach_token());
+    detach(1, g1.attach_token());
+    // The job is left with no rank: CPU ranks attach next and get CPU reduction.
+    v1::AttachRankResponse c1 = Attach(1, /*gpu=*/-1);
+    EXPECT_EQ(c1.layout().grad_route(), v1::GRAD_ROUTE_CPU_REDUCTION);
+    EXPECT_THAT(status().grad_route_choice(), HasSubstr("rank 1 attached first, on the CPU"));
+    v1::AttachRankResponse c0 = Attach(0, /*gpu=*/-1);
+    EXPECT_EQ(c0.layout().grad_route(), v1::GRAD_ROUTE_CPU_REDUCTION);
+    detach(0, c0.attach_token());
+    detach(1, c1.attach_token());
+  }
+}
+
+TEST_F(EngineTest, AnExplicitGradRouteStandsWhateverAttaches) {
+  config_.routes.set_grad_route(v1::GRAD_ROUTE_CPU_REDUCTION);
+  Start();
+  EXPECT_EQ(Attach(0, /*gpu=*/0).layout().grad_route(), v1::GRAD_ROUTE_CPU_REDUCTION);
+  grpc::ClientContext ctx;
+  v1::GetStatusResponse st;
+  ASSERT_TRUE(stub_->GetStatus(&ctx, v1::GetStatusRequest(), &st).ok());
+  EXPECT_EQ(st.job().routes().grad_route(), v1::GRAD_ROUTE_CPU_REDUCTION);
+  EXPECT_EQ(st.job().grad_route_choice(), "set");
 }
 
 // The stream of an attachment that ended (the rank detached and attached again) closing late

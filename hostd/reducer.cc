@@ -61,13 +61,15 @@ GradientReducer::GradientReducer(TrainingState* state, ThreadPool* pool, UpdateW
   uint64_t max_numel = 0;
   for (const LayerInfo& l : state_->layers()) max_numel = std::max(max_numel, l.numel);
   absl::MutexLock lock(&mu_);
+  route_ = options_.route;
+  pushing_ranks_ = options_.pushing_ranks;
   buffer_elems_ = max_numel;
   // Allocated at first use: the streamed route (and layers the ranks update themselves) may
   // never need them, and each is as large as the largest layer (the embeddings: GBs).
   buffers_.resize(2);
   reduced_.assign(state_->num_layers(), false);
-  cursors_.assign(options_.pushing_ranks.size(), Cursor{});
-  sum_heads_.resize(options_.pushing_ranks.size());
+  cursors_.assign(pushing_ranks_.size(), Cursor{});
+  sum_heads_.resize(pushing_ranks_.size());
   lent_.assign(size_t{state_->world_size()} * state_->grad_ring_slots(), false);
 }
 
@@ -122,11 +124,44 @@ void GradientReducer::Arm(uint64_t step) {
     if (armed_step_ == 0 || step != armed_step_ + 1) ClearAllSlotsLocked();
     armed_step_ = step;
     next_seq_ = 0;
-    cursors_.assign(options_.pushing_ranks.size(), Cursor{});
+    cursors_.assign(pushing_ranks_.size(), Cursor{});
     ResetLayerLocked();
     reduced_.assign(state_->num_layers(), false);
   }
   Ring();
+}
+
+absl::Status GradientReducer::SetRoute(Route route, std::vector<uint32_t> pushing_ranks) {
+  if (pushing_ranks.empty()) {
+    return absl::InvalidArgumentError("pushing_ranks: expected at least one rank, got none");
+  }
+  for (uint32_t r : pushing_ranks) {
+    if (r >= state_->world_size()) {
+      return absl::InvalidArgumentError(absl::StrCat("pushing_ranks: rank ", r, " of world size ",
+                                                     state_->world_size()));
+    }
+  }
+  {
+    absl::MutexLock lock(&mu_);
+    if (armed_step_ != 0 && current_layer_ >= 0) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "the route changes only between steps; step ", armed_step_, " is reducing layer ",
+          current_layer_));
+    }
+    if (std::find(lent_.begin(), lent_.end(), true) != lent_.end()) {
+      return absl::FailedPreconditionError(
+          "the route changes only between steps; the update worker still reads gradient slots");
+    }
+    route_ = route;
+    pushing_ranks_ = std::move(pushing_ranks);
+    armed_step_ = 0;  // the next Arm clears the rings: nothing pushed before belongs to it
+    next_seq_ = 0;
+    cursors_.assign(pushing_ranks_.size(), Cursor{});
+    sum_heads_.assign(pushing_ranks_.size(), ChunkHeader{});
+    ResetLayerLocked();
+  }
+  Ring();
+  return absl::OkStatus();
 }
 
 void GradientReducer::EmptySlotLocked(uint32_t rank, uint32_t slot) {
@@ -176,7 +211,7 @@ void GradientReducer::FailLocked(const std::string& reason) {
 }
 
 void GradientReducer::ReleaseSlots(uint32_t slot) {
-  for (uint32_t r : options_.pushing_ranks) EmptySlotLocked(r, slot);
+  for (uint32_t r : pushing_ranks_) EmptySlotLocked(r, slot);
 }
 
 void GradientReducer::ReturnSlot(uint32_t rank, uint32_t slot) {
@@ -193,7 +228,7 @@ bool GradientReducer::TryReduceOne() {
   bool progress = false;
   {
     absl::MutexLock lock(&mu_);
-    progress = options_.route == Route::kSum ? TrySumLocked() : TryShardsLocked();
+    progress = route_ == Route::kSum ? TrySumLocked() : TryShardsLocked();
     error = std::exchange(pending_error_, {0, ""});
   }
   if (!error.second.empty()) on_error_(error.first, error.second);
@@ -229,9 +264,9 @@ bool GradientReducer::TrySumLocked() {
   const uint32_t slots = state_->grad_ring_slots();
   const uint32_t slot = static_cast<uint32_t>(next_seq_ % slots);
   // 1. Is chunk next_seq_ present in every pushing rank's ring? Each header is read here, once.
-  const size_t parts = options_.pushing_ranks.size();
+  const size_t parts = pushing_ranks_.size();
   for (size_t i = 0; i < parts; ++i) {
-    const uint32_t r = options_.pushing_ranks[i];
+    const uint32_t r = pushing_ranks_[i];
     ChunkHeader& h = sum_heads_[i];
     if (!shm::ReadFullSlot(state_->chunk_slot(r, slot), &h)) return false;
     if (h.step < armed_step_) {  // left over from an aborted step
@@ -244,7 +279,7 @@ bool GradientReducer::TrySumLocked() {
   // 2. Validate the headers against the protocol and each other.
   const ChunkHeader& h0 = sum_heads_[0];
   for (size_t i = 0; i < parts; ++i) {
-    const uint32_t r = options_.pushing_ranks[i];
+    const uint32_t r = pushing_ranks_[i];
     const ChunkHeader& cs = sum_heads_[i];
     if (cs.step != armed_step_ || cs.seq != next_seq_) {
       FailLocked(absl::StrCat("rank ", r, " pushed chunk (step ", cs.step, ", seq ", cs.seq,
@@ -256,7 +291,7 @@ bool GradientReducer::TrySumLocked() {
         cs.dtype != h0.dtype) {
       FailLocked(absl::StrCat("ranks disagree on chunk ", next_seq_, ": rank ", r, " sent layer ",
                               cs.layer, " offset ", cs.offset_elements, " numel ", cs.numel,
-                              ", rank ", options_.pushing_ranks[0], " sent layer ", h0.layer,
+                              ", rank ", pushing_ranks_[0], " sent layer ", h0.layer,
                               " offset ", h0.offset_elements, " numel ", h0.numel));
       return true;
     }
@@ -300,7 +335,7 @@ bool GradientReducer::TrySumLocked() {
   float* dst = buffers_[current_buffer_].data.data() + h0.offset_elements;
   auto reduce_range = [&](size_t b, size_t e, int) {
     bool first = true;
-    for (uint32_t r : options_.pushing_ranks) {
+    for (uint32_t r : pushing_ranks_) {
       const auto* src = static_cast<const char*>(state_->grad_slot_data(r, slot));
       Accumulate(dst + b, src + b * elem_bytes_, options_.grad_type, e - b, first);
       first = false;
@@ -312,7 +347,7 @@ bool GradientReducer::TrySumLocked() {
     reduce_range(0, h0.numel, 0);
   }
   stats_.chunks_reduced++;
-  stats_.bytes_reduced += h0.numel * elem_bytes_ * options_.pushing_ranks.size();
+  stats_.bytes_reduced += h0.numel * elem_bytes_ * pushing_ranks_.size();
   stats_.reduce_seconds +=
       std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   current_done_ += h0.numel;
@@ -324,7 +359,7 @@ bool GradientReducer::TrySumLocked() {
 }
 
 bool GradientReducer::PeekLocked(size_t i, bool* progress, ChunkHeader* h) {
-  const uint32_t r = options_.pushing_ranks[i];
+  const uint32_t r = pushing_ranks_[i];
   const uint32_t slots = state_->grad_ring_slots();
   const auto slot = static_cast<uint32_t>(cursors_[i].next_seq % slots);
   // Still lent: it holds chunk next_seq - slots (or one of an aborted step) until the worker has
@@ -341,7 +376,7 @@ bool GradientReducer::PeekLocked(size_t i, bool* progress, ChunkHeader* h) {
 }
 
 bool GradientReducer::CheckShardChunkLocked(size_t i, const ChunkHeader& cs, uint32_t layer) {
-  const uint32_t r = options_.pushing_ranks[i];
+  const uint32_t r = pushing_ranks_[i];
   const Cursor& c = cursors_[i];
   if (cs.step != armed_step_ || cs.seq != c.next_seq) {
     FailLocked(absl::StrCat("rank ", r, " pushed chunk (step ", cs.step, ", seq ", cs.seq,
@@ -385,7 +420,7 @@ bool GradientReducer::CheckShardChunkLocked(size_t i, const ChunkHeader& cs, uin
 bool GradientReducer::StartShardLayerLocked(bool* progress) {
   ChunkHeader h;
   if (!PeekLocked(0, progress, &h)) return false;
-  const uint32_t r0 = options_.pushing_ranks[0];
+  const uint32_t r0 = pushing_ranks_[0];
   if (h.step != armed_step_ || h.seq != cursors_[0].next_seq) {
     FailLocked(absl::StrCat("rank ", r0, " pushed chunk (step ", h.step, ", seq ", h.seq,
                             ") where (step ", armed_step_, ", seq ", cursors_[0].next_seq,
@@ -404,7 +439,7 @@ bool GradientReducer::StartShardLayerLocked(bool* progress) {
   }
   const uint32_t layer = h.layer;
   const uint64_t numel = state_->layers()[layer].numel;
-  const auto parts = static_cast<uint32_t>(options_.pushing_ranks.size());
+  const auto parts = static_cast<uint32_t>(pushing_ranks_.size());
   for (uint32_t i = 0; i < parts; ++i) {
     const shm::ShardRange sh = shm::ShardOf(numel, parts, i);
     cursors_[i].begin = sh.begin;
@@ -423,7 +458,7 @@ bool GradientReducer::StartShardLayerLocked(bool* progress) {
       ChunkHeader cs;
       if (!PeekLocked(i, progress, &cs)) return false;
       if (!CheckShardChunkLocked(i, cs, layer)) return false;
-      const uint32_t r = options_.pushing_ranks[i];
+      const uint32_t r = pushing_ranks_[i];
       if ((cs.flags & shm::kChunkFlagStats) == 0) {
         stream = false;
         why_buffered = absl::StrCat("rank ", r, "'s first chunk carries no stats");
@@ -471,7 +506,7 @@ bool GradientReducer::StartShardLayerLocked(bool* progress) {
 }
 
 bool GradientReducer::ConsumeShardChunkLocked(size_t i, const ChunkHeader& cs) {
-  const uint32_t r = options_.pushing_ranks[i];
+  const uint32_t r = pushing_ranks_[i];
   Cursor& c = cursors_[i];
   const uint32_t slots = state_->grad_ring_slots();
   const auto slot = static_cast<uint32_t>(c.next_seq % slots);
@@ -540,7 +575,7 @@ bool GradientReducer::TryShardsLocked() {
     // layer means it pushed more than its shard.
     ChunkHeader next;
     if (PeekLocked(i, &progress, &next) && next.step == armed_step_ && next.layer == layer) {
-      FailLocked(absl::StrCat("rank ", options_.pushing_ranks[i], ", layer ", layer, " chunk seq ",
+      FailLocked(absl::StrCat("rank ", pushing_ranks_[i], ", layer ", layer, " chunk seq ",
                               next.seq, ": offset_elements: got ", next.offset_elements,
                               " with numel ", next.numel, ", expected nothing more (its shard [",
                               c.begin, ", ", c.end, ") is complete)"));

@@ -127,6 +127,10 @@ class GradientReducer {
   // emptied first: a rank pushes a step only after BeginStep, which arms it, so whatever is in a
   // ring then is left over -- possibly of a dropped attempt of this very step number.
   void Arm(uint64_t step);
+  // Changes the route (and the ranks that push) between steps -- hostd's grad_route auto picks it
+  // when the first rank attaches. FAILED_PRECONDITION while a layer of the armed step is being
+  // reduced or the worker holds gradient slots; the next Arm then clears every ring.
+  absl::Status SetRoute(Route route, std::vector<uint32_t> pushing_ranks);
   // Drops the partial layers of `step`, empties every ring slot not lent to the worker and wakes
   // the ranks (lent slots are emptied when the worker returns them).
   void Abort(uint64_t step);
@@ -206,6 +210,8 @@ class GradientReducer {
   bool stop_ ABSL_GUARDED_BY(mu_) = false;
   uint64_t armed_step_ ABSL_GUARDED_BY(mu_) = 0;             // 0: no step running
   uint64_t next_seq_ ABSL_GUARDED_BY(mu_) = 0;               // kSum: the lockstep cursor
+  Route route_ ABSL_GUARDED_BY(mu_);                          // options_.route, or SetRoute's
+  std::vector<uint32_t> pushing_ranks_ ABSL_GUARDED_BY(mu_);  // likewise
   std::vector<Cursor> cursors_ ABSL_GUARDED_BY(mu_);         // kShards: per pushing rank
   std::vector<ChunkHeader> sum_heads_ ABSL_GUARDED_BY(mu_);  // kSum: per pushing rank
   int64_t current_layer_ ABSL_GUARDED_BY(mu_) = -1;

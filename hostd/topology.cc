@@ -118,7 +118,13 @@ absl::StatusOr<int> ChooseStateNode(const Topology& topo, int requested) {
   return best->os_index;
 }
 
-absl::StatusOr<std::vector<int>> WorkerCpus(const Topology& topo, int node, int threads) {
+int AutoUpdateThreads(int node_cores, uint32_t ranks) {
+  const int64_t left = int64_t{node_cores} - int64_t{kCoresPerRank} * ranks - kCoresForHostd;
+  return static_cast<int>(std::max<int64_t>(1, left));
+}
+
+absl::StatusOr<std::vector<int>> WorkerCpus(const Topology& topo, int node, int threads,
+                                            uint32_t ranks) {
   const NumaNodeInfo* info = nullptr;
   for (const NumaNodeInfo& n : topo.nodes) {
     if (n.os_index == node) info = &n;
@@ -136,7 +142,10 @@ absl::StatusOr<std::vector<int>> WorkerCpus(const Topology& topo, int node, int 
     return absl::FailedPreconditionError(
         absl::StrCat("numa node ", node, " has no CPU this process may run on"));
   }
-  if (threads == 0) threads = static_cast<int>(info->core_cpus.size());
+  if (threads == 0) {
+    threads = std::min(AutoUpdateThreads(static_cast<int>(info->core_cpus.size()), ranks),
+                       static_cast<int>(order.size()));
+  }
   if (threads > static_cast<int>(order.size())) {
     return absl::InvalidArgumentError(absl::StrCat("update_threads: ", threads, " exceeds the ",
                                                    order.size(), " CPUs of NUMA node ", node));

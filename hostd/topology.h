@@ -39,8 +39,21 @@ absl::StatusOr<Topology> DiscoverTopology();
 // node with the most GPUs, ties broken by the most memory, then the lowest index.
 absl::StatusOr<int> ChooseStateNode(const Topology& topo, int requested);
 
-// The CPUs for `threads` update workers on `node` (0: one per core), one per physical core
-// first, then further PUs. INVALID_ARGUMENT if more threads than PUs are asked for.
-absl::StatusOr<std::vector<int>> WorkerCpus(const Topology& topo, int node, int threads);
+// CPUs hostd leaves to each rank process on the node (its Python or native main thread and the
+// copy / NCCL progress thread of its GPU data plane) and to its own threads (the gradient
+// reducer and the gRPC service), when it picks the number of update threads itself.
+inline constexpr int kCoresPerRank = 2;
+inline constexpr int kCoresForHostd = 2;
+
+// The number of update threads hostd picks for `node_cores` physical cores and `ranks` rank
+// processes: the cores the ranks and hostd's own threads do not need, at least 1. On the H200
+// machine (16 cores, one rank) that is 12, the best of the hand-tuned runs of issue #19.
+int AutoUpdateThreads(int node_cores, uint32_t ranks);
+
+// The CPUs for `threads` update workers on `node` (0: AutoUpdateThreads of the node's cores
+// and `ranks`), one per physical core first, then further PUs. INVALID_ARGUMENT if more threads
+// than PUs are asked for.
+absl::StatusOr<std::vector<int>> WorkerCpus(const Topology& topo, int node, int threads,
+                                            uint32_t ranks);
 
 }  // namespace slidedp::hostd

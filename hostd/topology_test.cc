@@ -37,15 +37,26 @@ TEST(TopologyTest, ChoosesNodeWithMostGpusThenMemory) {
 
 TEST(TopologyTest, WorkerCpusOnePerCoreFirst) {
   Topology t = TwoNodes();
-  EXPECT_EQ(*WorkerCpus(t, 1, 0), (std::vector<int>{4, 5, 6, 7}));
-  EXPECT_EQ(*WorkerCpus(t, 0, 2), (std::vector<int>{0, 1}));
-  EXPECT_EQ(*WorkerCpus(t, 0, 6), (std::vector<int>{0, 1, 2, 3, 8, 9}));
-  auto too_many = WorkerCpus(t, 0, 9);
+  EXPECT_EQ(*WorkerCpus(t, 0, 2, 1), (std::vector<int>{0, 1}));
+  EXPECT_EQ(*WorkerCpus(t, 0, 6, 1), (std::vector<int>{0, 1, 2, 3, 8, 9}));
+  auto too_many = WorkerCpus(t, 0, 9, 1);
   ASSERT_FALSE(too_many.ok());
   EXPECT_EQ(too_many.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(too_many.status().message().find("update_threads"), std::string::npos);
-  EXPECT_FALSE(WorkerCpus(t, 3, 1).ok());
-  EXPECT_FALSE(WorkerCpus(t, 0, -1).ok());
+  EXPECT_FALSE(WorkerCpus(t, 3, 1, 1).ok());
+  EXPECT_FALSE(WorkerCpus(t, 0, -1, 1).ok());
+}
+
+TEST(TopologyTest, AutoUpdateThreadsLeaveCoresToRanksAndHostd) {
+  EXPECT_EQ(AutoUpdateThreads(16, 1), 12);  // the H200 machine's best hand-tuned setting
+  EXPECT_EQ(AutoUpdateThreads(64, 8), 46);
+  EXPECT_EQ(AutoUpdateThreads(4, 1), 1);
+  EXPECT_EQ(AutoUpdateThreads(2, 8), 1);  // never none
+  Topology t = TwoNodes();  // 4 cores per node
+  EXPECT_EQ(*WorkerCpus(t, 1, 0, 0), (std::vector<int>{4, 5}));  // no rank: 4 - 2
+  EXPECT_EQ(*WorkerCpus(t, 1, 0, 1), (std::vector<int>{4}));
+  EXPECT_EQ(*WorkerCpus(t, 1, 0, 4), (std::vector<int>{4}));
+  EXPECT_EQ(*WorkerCpus(t, 1, 3, 4), (std::vector<int>{4, 5, 6}));  // explicit wins
 }
 
 }  // namespace

@@ -26,7 +26,7 @@ slidedp::v1::OptimizerConfig DefaultOptimizerConfig() {
 slidedp::v1::Routes DefaultRoutes() {
   slidedp::v1::Routes r;
   r.set_param_route(slidedp::v1::PARAM_ROUTE_REPLICATED);
-  r.set_grad_route(slidedp::v1::GRAD_ROUTE_CPU_REDUCTION);
+  r.set_grad_route(slidedp::v1::GRAD_ROUTE_AUTO);
   r.set_chunk_bytes(uint64_t{16} << 20);
   return r;
 }

@@ -209,7 +209,11 @@ void PrintStatus(const v1::GetStatusResponse& status, std::ostream& out) {
       summary.AddRow({"weights", status.job().weights_source()});
     }
     summary.AddRow({"optimizer", DescribeOptimizer(status.job())});
-    summary.AddRow({"routes", DescribeRoutes(status.job().routes())});
+    std::string routes = DescribeRoutes(status.job().routes());
+    if (!status.job().grad_route_choice().empty() && status.job().grad_route_choice() != "set") {
+      absl::StrAppend(&routes, " (grads ", status.job().grad_route_choice(), ")");
+    }
+    summary.AddRow({"routes", routes});
   } else if (status.has_creating()) {
     const v1::JobCreation& c = status.creating();
     std::string progress;

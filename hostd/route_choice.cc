@@ -1,0 +1,65 @@
+#include "hostd/route_choice.h"
+
+#include "absl/strings/str_cat.h"
+
+namespace slidedp::hostd {
+namespace {
+
+const char* RouteName(slidedp::v1::GradRoute r) {
+  switch (r) {
+    case slidedp::v1::GRAD_ROUTE_CPU_REDUCTION:
+      return "cpu_reduction";
+    case slidedp::v1::GRAD_ROUTE_GPU_REDUCTION:
+      return "gpu_reduction";
+    case slidedp::v1::GRAD_ROUTE_REDUCE_SCATTER:
+      return "reduce_scatter";
+    case slidedp::v1::GRAD_ROUTE_AUTO:
+      return "auto";
+    default:
+      return "unspecified";
+  }
+}
+
+}  // namespace
+
+RouteChoice ChooseGradRoute(slidedp::v1::GradRoute configured, uint32_t world_size, uint32_t rank,
+                            int32_t gpu) {
+  RouteChoice c;
+  if (configured != slidedp::v1::GRAD_ROUTE_AUTO) {
+    c.route = configured == slidedp::v1::GRAD_ROUTE_UNSPECIFIED
+                  ? slidedp::v1::GRAD_ROUTE_CPU_REDUCTION
+                  : configured;
+    c.why = "set";
+    return c;
+  }
+  c.automatic = true;
+  if (gpu >= 0) {
+    c.route = slidedp::v1::GRAD_ROUTE_GPU_REDUCTION;
+    c.why = absl::StrCat("rank ", rank, " attached first, on GPU ", gpu, ": ",
+                         world_size == 1 ? "one GPU rank returns its gradient"
+                                         : "the GPU ranks all-reduce, one returns the gradient",
+                         ", updated chunk by chunk");
+  } else {
+    c.route = slidedp::v1::GRAD_ROUTE_CPU_REDUCTION;
+    c.why = absl::StrCat("rank ", rank, " attached first, on the CPU: hostd sums the pushes");
+  }
+  return c;
+}
+
+absl::Status CheckRankDevice(const RouteChoice& chosen, uint32_t rank, int32_t gpu) {
+  if (!chosen.automatic) return absl::OkStatus();
+  const bool gpu_route = chosen.route != slidedp::v1::GRAD_ROUTE_CPU_REDUCTION;
+  if (gpu_route == (gpu >= 0)) return absl::OkStatus();
+  return absl::FailedPreconditionError(absl::StrCat(
+      "gpu: rank ", rank, " attaches ", gpu >= 0 ? absl::StrCat("on GPU ", gpu) : "on the CPU",
+      ", but the attached ranks are on ", gpu_route ? "GPUs" : "the CPU",
+      " and grad_route auto chose ", RouteName(chosen.route), " for them; every rank of a job "
+      "uses the same kind of device (or set grad_route explicitly)"));
+}
+
+std::string DescribeRouteChoice(const RouteChoice& c) {
+  if (c.route == slidedp::v1::GRAD_ROUTE_AUTO) return "auto: chosen when the first rank attaches";
+  return c.automatic ? absl::StrCat("auto: ", c.why) : "set";
+}
+
+}  // namespace slidedp::hostd
