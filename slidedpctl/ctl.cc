@@ -32,6 +32,7 @@
 #include "slidedpctl/format.h"
 #include "slidedpctl/json_convert.h"
 #include "slidedpctl/machine.h"
+#include "slidedpctl/plan.h"
 #include "slidedpctl/render.h"
 #include "slidedpctl/watch.h"
 
@@ -555,6 +556,46 @@ int Run(const std::vector<std::string>& args, std::ostream& out, std::ostream& e
                    "memory of one GPU, e.g. 80GiB (default: nvidia-smi's smallest GPU, else the "
                    "GPU figures are unchecked)")
       ->type_name("SIZE");
+  PlanOptions plan;
+  CLI::App* plan_cmd = app.add_subcommand(
+      "plan",
+      "predicted step time T = max(C, H) + E (compute, host/transfer bottleneck, exposure), "
+      "regime, tokens/s, GPU memory and scaling for a layout; no hostd needed");
+  plan_cmd
+      ->add_option("--model", plan.model, "\"tiny\", \"tiny-tied\", a directory or a config.json")
+      ->type_name("SPEC")
+      ->required();
+  plan_cmd->add_option("--gpus", plan.gpus, "ranks (R)")
+      ->check(CLI::Range(uint32_t{1}, uint32_t{64}))
+      ->required();
+  plan_cmd->add_option("--batch", plan.batch, "sequences per rank per step")
+      ->check(CLI::Range(uint64_t{1}, uint64_t{1} << 30))
+      ->required();
+  plan_cmd->add_option("--seq", plan.seq, "tokens per sequence")
+      ->check(CLI::Range(uint64_t{1}, uint64_t{1} << 30))
+      ->required();
+  plan_cmd
+      ->add_option("--layout", plan.layout,
+                   "per-layer layout, groups <count><kind>[-r<ratio>] with kinds F, Seg, SAC, N, "
+                   "R, R<kind> (python_client's policy grammar; default: every layer F-r0)")
+      ->type_name("LAYOUT");
+  plan_cmd
+      ->add_option("--profile", plan.profile,
+                   "JSON file overriding keys of the built-in H200 profile (see --json's "
+                   "\"profile\")")
+      ->type_name("FILE");
+  plan_cmd
+      ->add_option("--window-slots", plan.window_slots,
+                   "GPU window slots (python_client's default 6); the streamed layers beyond them "
+                   "are fetched again in backward")
+      ->check(CLI::Range(uint32_t{1}, uint32_t{100000}))
+      ->capture_default_str();
+  plan_cmd
+      ->add_option("--grad-route", plan.grad_route,
+                   "gpu_reduction (one reduced BF16 gradient per layer) or cpu_reduction (every "
+                   "rank's FP32 gradient, reduced by the CPU)")
+      ->check(CLI::IsMember({"gpu_reduction", "cpu_reduction"}))
+      ->capture_default_str();
   ExportOptions exp;
   CLI::App* export_cmd = app.add_subcommand(
       "export",
@@ -659,9 +700,10 @@ int Run(const std::vector<std::string>& args, std::ostream& out, std::ostream& e
     return kExitUsage;
   }
 
-  // These two never talk to hostd.
+  // These never talk to hostd.
   if (estimate_cmd->parsed()) return RunEstimate(est, options.json, out, err);
   if (doctor_cmd->parsed()) return RunDoctorCmd(options.json, out);
+  if (plan_cmd->parsed()) return RunPlan(plan, options.json, out, err);
   if (checkpoints_cmd->parsed()) return RunCheckpoints(list_dir, verify, options.json, out, err);
   if (cleanup_cmd->parsed()) {
     return RunCleanup(cleanup_instance, cleanup_dry_run, options.json, out, err);

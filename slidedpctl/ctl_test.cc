@@ -536,14 +536,117 @@ TEST(CtlMachineTest, MemlockIsJudgedAsHostdJudgesIt) {
   }
 }
 
+// plan needs no hostd: the step-time model of model/step_model.h over a layout and a profile.
+TEST(CtlPlanTest, JsonHasEveryFigureInputsAndProfile) {
+  const CtlResult r = Ctl({"plan", "--model", "tiny", "--gpus", "2", "--batch", "4", "--seq", "64",
+                           "--layout", "1RF 2F-r0.5 1N", "--json"});
+  ASSERT_EQ(r.code, kExitOk) << r.err;
+  const Json j = Json::parse(r.out);
+  EXPECT_EQ(j["inputs"]["gpus"], 2);
+  EXPECT_EQ(j["inputs"]["batch"], 4);
+  EXPECT_EQ(j["inputs"]["seq"], 64);
+  EXPECT_EQ(j["inputs"]["layout"], "1RF 2F-r0.5 1N");
+  EXPECT_EQ(j["inputs"]["grad_route"], "gpu_reduction");
+  EXPECT_EQ(j["model"]["decoder_layers"], 4);
+  EXPECT_EQ(j["profile"]["name"], "builtin:h200");
+  EXPECT_GT(j["profile"]["h2d_gb_per_s"].get<double>(), 0);
+  for (const char* key : {"h2d", "d2h", "host_adam"}) {
+    EXPECT_GT(j["host"]["resources"][key]["seconds"].get<double>(), 0) << key;
+  }
+  const double c = j["compute"]["c_s"].get<double>();
+  const double h = j["host"]["h_s"].get<double>();
+  const double e = j["exposure"]["e_s"].get<double>();
+  EXPECT_DOUBLE_EQ(j["step_s"].get<double>(), std::max(c, h) + e);
+  EXPECT_EQ(j["regime"], h > c ? "host-bound" : "GPU-bound");
+  EXPECT_DOUBLE_EQ(j["tokens_per_s"].get<double>(), 2 * 4 * 64 / j["step_s"].get<double>());
+  EXPECT_GT(j["memory"]["peak_gpu_bytes"].get<double>(), 0);
+  EXPECT_TRUE(j["memory"]["estimate"].get<bool>());
+  EXPECT_GT(j["pcie"]["offloaded_bytes_per_rank"].get<double>(), 0);
+  EXPECT_GT(j["pcie"]["gb_per_step"].get<double>(), 0);
+  EXPECT_DOUBLE_EQ(j["r_cross"]["r_cross"].get<double>(),
+                   j["r_cross"]["c1_s"].get<double>() / j["r_cross"]["h1_s"].get<double>());
+  ASSERT_EQ(j["scaling"].size(), 4u);
+  EXPECT_EQ(j["scaling"][3]["gpus"], 8);
+  EXPECT_EQ(j["scaling"][3]["strong"]["batch_per_rank"], 1);
+  EXPECT_EQ(j["scaling"][3]["weak"]["batch_per_rank"], 4);
+}
+
+TEST(CtlPlanTest, DefaultLayoutAndHumanTable) {
+  const CtlResult j =
+      Ctl({"plan", "--model", "tiny", "--gpus", "1", "--batch", "1", "--seq", "16", "--json"});
+  ASSERT_EQ(j.code, kExitOk) << j.err;
+  EXPECT_EQ(Json::parse(j.out)["inputs"]["layout"], "4F-r0");
+  const CtlResult r =
+      Ctl({"plan", "--model", "tiny", "--gpus", "1", "--batch", "1", "--seq", "16"});
+  ASSERT_EQ(r.code, kExitOk) << r.err;
+  for (const char* row :
+       {"C  GPU compute", "H  host/transfer bottleneck", "E  exposure", "T  step = max(C, H) + E",
+        "tokens/s", "peak GPU memory", "PCIe", "R_cross", "STRONG TOK/S"}) {
+    EXPECT_THAT(r.out, HasSubstr(row));
+  }
+}
+
+TEST(CtlPlanTest, ProfileFileOverridesKeys) {
+  const std::string dir = testing::MakeTempDir();
+  const std::string file = dir + "/profile.json";
+  std::ofstream(file) << R"({"name": "measured", "h2d_gb_per_s": 1.5, "host_adam_gb_per_s": 1})";
+  const CtlResult r = Ctl({"plan", "--model", "tiny", "--gpus", "1", "--batch", "1", "--seq", "16",
+                           "--profile", file, "--json", "--grad-route", "cpu_reduction"});
+  ASSERT_EQ(r.code, kExitOk) << r.err;
+  const Json j = Json::parse(r.out);
+  EXPECT_EQ(j["profile"]["name"], "measured");
+  EXPECT_EQ(j["profile"]["h2d_gb_per_s"], 1.5);
+  EXPECT_GT(j["host"]["resources"]["cpu_reduce"]["seconds"].get<double>(), 0);
+
+  std::ofstream(file) << R"({"h2d_gbps": 1})";
+  const CtlResult unknown = Ctl(
+      {"plan", "--model", "tiny", "--gpus", "1", "--batch", "1", "--seq", "16", "--profile", file});
+  EXPECT_EQ(unknown.code, kExitUsage);
+  EXPECT_THAT(unknown.err, HasSubstr("slidedpctl: --profile: " + file +
+                                     ": unknown key 'h2d_gbps'; expected one of name, "));
+  const CtlResult missing = Ctl({"plan", "--model", "tiny", "--gpus", "1", "--batch", "1", "--seq",
+                                 "16", "--profile", dir + "/absent.json"});
+  EXPECT_EQ(missing.code, kExitUsage);
+  EXPECT_THAT(missing.err,
+              HasSubstr("slidedpctl: --profile: " + dir + "/absent.json: cannot read"));
+}
+
+TEST(CtlPlanTest, BadInputExits2NamingTheFlag) {
+  const auto plan = [](std::vector<std::string> extra) {
+    std::vector<std::string> args = {"plan", "--model", "tiny"};
+    args.insert(args.end(), extra.begin(), extra.end());
+    return Ctl(args);
+  };
+  const CtlResult gpus = plan({"--gpus", "0", "--batch", "1", "--seq", "8"});
+  EXPECT_EQ(gpus.code, kExitUsage);
+  EXPECT_THAT(gpus.err, HasSubstr("--gpus"));
+  const CtlResult batch = plan({"--gpus", "1", "--batch", "0", "--seq", "8"});
+  EXPECT_EQ(batch.code, kExitUsage);
+  EXPECT_THAT(batch.err, HasSubstr("--batch"));
+  const CtlResult seq = plan({"--gpus", "1", "--batch", "1", "--seq", "0"});
+  EXPECT_EQ(seq.code, kExitUsage);
+  EXPECT_THAT(seq.err, HasSubstr("--seq"));
+  const CtlResult layout = plan({"--gpus", "1", "--batch", "1", "--seq", "8", "--layout", "36F"});
+  EXPECT_EQ(layout.code, kExitUsage);
+  EXPECT_EQ(layout.err,
+            "slidedpctl: --layout: policy: '36F' lists 36 decoder layers, the model has 4\n");
+  const CtlResult group = plan({"--gpus", "1", "--batch", "1", "--seq", "8", "--layout", "4Q"});
+  EXPECT_EQ(group.code, kExitUsage);
+  EXPECT_THAT(group.err, HasSubstr("--layout: policy: group '4Q': expected <count><kind>"));
+  const CtlResult model =
+      Ctl({"plan", "--model", "/nope", "--gpus", "1", "--batch", "1", "--seq", "8"});
+  EXPECT_EQ(model.code, kExitUsage);
+  EXPECT_THAT(model.err, HasSubstr("--model"));
+}
+
 TEST(CtlUsageTest, UnknownSubcommandExits2) {
   const CtlResult r = Ctl({"frobnicate"});
   EXPECT_EQ(r.code, kExitUsage);
   EXPECT_THAT(r.out, IsEmpty());
   EXPECT_EQ(r.err,
             "slidedpctl: unknown command \"frobnicate\"; expected one of: version, status, layers, "
-            "ranks, stats, config, estimate, export, watch, checkpoint, checkpoints, cleanup, "
-            "doctor\nRun "
+            "ranks, stats, config, estimate, plan, export, watch, checkpoint, checkpoints, "
+            "cleanup, doctor\nRun "
             "'slidedpctl --help' for usage.\n");
   const CtlResult nested = Ctl({"config", "frobnicate"});
   EXPECT_EQ(nested.code, kExitUsage);
