@@ -1,9 +1,16 @@
 # Helpers shared by every module: one small library per module, tests beside the code.
 
 set(SLIDEDP_WARNINGS -Wall -Wextra -Wno-unused-parameter -Wno-missing-field-initializers)
+# Clang checks the abseil lock annotations (ABSL_GUARDED_BY, ABSL_EXCLUSIVE_LOCKS_REQUIRED, ...)
+# at compile time; a finding is an error even without SLIDEDP_WERROR (scripts/lint.sh build).
+if(CMAKE_CXX_COMPILER_ID MATCHES "Clang")
+  list(APPEND SLIDEDP_WARNINGS -Wthread-safety -Werror=thread-safety)
+endif()
 if(SLIDEDP_WERROR)
   list(APPEND SLIDEDP_WARNINGS -Werror)
 endif()
+# Warning flags only GCC knows are spelled $<$<CXX_COMPILER_ID:GNU>:-W...> where they are used,
+# since clang rejects unknown warning options under -Werror.
 if(SLIDEDP_ASAN)
   add_compile_options(-fsanitize=address,undefined -fno-omit-frame-pointer)
   add_link_options(-fsanitize=address,undefined)

@@ -302,7 +302,7 @@ absl::StatusOr<ShmSegment> ShmSegment::Create(const CreateOptions& options) {
   seg.size_bytes_ = options.size_bytes;
   seg.remove_on_destroy_ = true;  // until Create returns, a failure removes what was made
   try {
-    bip::permissions perm(options.mode);
+    bip::permissions perm(static_cast<int>(options.mode));  // permission bits, <= 07777
     bip::shared_memory_object obj(bip::create_only, options.name.c_str(), bip::read_write, perm);
     const int fd = obj.get_mapping_handle().handle;
     // The group first: a group-readable mode must never apply to the creator's own group.

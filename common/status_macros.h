@@ -38,10 +38,14 @@ inline absl::Status ErrnoStatus(absl::string_view what, int err = errno) {
     if (!_slidedp_status.ok()) return _slidedp_status; \
   } while (0)
 
+// tmp is a name being declared and lhs a declaration or an lvalue (`auto x`, `T y`, `x_`):
+// neither can be parenthesized.
+// NOLINTBEGIN(bugprone-macro-parentheses)
 #define ASSIGN_OR_RETURN_IMPL_(tmp, lhs, rexpr) \
   auto tmp = (rexpr);                           \
   if (!tmp.ok()) return tmp.status();           \
   lhs = std::move(*tmp)
+// NOLINTEND(bugprone-macro-parentheses)
 
 #define ASSIGN_OR_RETURN(lhs, rexpr) \
   ASSIGN_OR_RETURN_IMPL_(SLIDEDP_CONCAT_(_slidedp_statusor_, __LINE__), lhs, rexpr)

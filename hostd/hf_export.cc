@@ -31,7 +31,7 @@ namespace slidedp::hostd {
 namespace {
 
 namespace fs = std::filesystem;
-using ordered_json = nlohmann::ordered_json;
+using OrderedJson = nlohmann::ordered_json;
 
 // Thread ranges of the cast start on whole cache lines of BF16 output.
 constexpr size_t kCastAlignElements = 1024;
@@ -98,14 +98,14 @@ absl::Status WriteTextFile(const std::string& path, std::string_view text) {
 // The safetensors header of one shard, padded with spaces to a multiple of 8 bytes (as the
 // reference writer does, so the data section starts aligned).
 std::string ShardHeader(const TrainingState& state, const ExportShard& shard, ExportDtype dtype) {
-  ordered_json h = ordered_json::object();
+  OrderedJson h = OrderedJson::object();
   h["__metadata__"] = {{"format", "pt"}};
   uint64_t offset = 0;
   const auto& layers = state.model().manifest.layers();
   for (const auto& [l, t] : shard.tensors) {
     const auto& spec = layers.Get(static_cast<int>(l)).tensors(static_cast<int>(t));
     const uint64_t bytes = model::TensorNumel(spec) * ElementBytes(dtype);
-    ordered_json shape = ordered_json::array();
+    OrderedJson shape = OrderedJson::array();
     for (int64_t d : spec.shape()) shape.push_back(d);
     h[spec.name()] = {{"dtype", SafetensorsName(dtype)},
                       {"shape", std::move(shape)},
@@ -143,8 +143,8 @@ absl::Status WriteTensor(OutFile& out, const float* master, uint64_t numel,
   return absl::OkStatus();
 }
 
-std::string GenerationConfig(const ordered_json& config) {
-  ordered_json g = ordered_json::object();
+std::string GenerationConfig(const OrderedJson& config) {
+  OrderedJson g = OrderedJson::object();
   g["_from_model_config"] = true;
   bool any = false;
   for (const char* key : {"bos_token_id", "eos_token_id", "pad_token_id"}) {
@@ -164,7 +164,7 @@ constexpr size_t kMaxNamedEntries = 12;
 
 std::string MarkerText(const HfExportOptions& o, uint64_t version,
                        const std::vector<std::string>& files) {
-  ordered_json m = ordered_json::object();
+  OrderedJson m = OrderedJson::object();
   m["written_by"] = "hostd";
   m["hostd_version"] = kVersion;
   m["job_id"] = o.job_id;
@@ -353,7 +353,7 @@ absl::StatusOr<std::string> ExportConfigJson(std::string_view config_json,
                      " but the job's is ", model::ManifestHashHex(model::ManifestHash(manifest)),
                      "; pass the config of the job's model"));
   }
-  ordered_json config = ordered_json::parse(config_json.begin(), config_json.end());
+  OrderedJson config = OrderedJson::parse(config_json.begin(), config_json.end());
   config["torch_dtype"] = TorchName(dtype);
   if (config.contains("dtype")) config["dtype"] = TorchName(dtype);
   config["tie_word_embeddings"] = manifest.tie_word_embeddings();
@@ -422,7 +422,7 @@ absl::StatusOr<HfExportResult> ExportHf(const TrainingState& state, const HfExpo
 
   const std::vector<ExportShard> shards = PlanExportShards(manifest, o.dtype, o.max_shard_bytes);
   const std::string generation =
-      GenerationConfig(ordered_json::parse(o.config_json.begin(), o.config_json.end()));
+      GenerationConfig(OrderedJson::parse(o.config_json.begin(), o.config_json.end()));
   std::vector<std::string> planned;
   for (const ExportShard& shard : shards) planned.push_back(shard.file);
   if (shards.size() > 1) planned.push_back("model.safetensors.index.json");
@@ -447,7 +447,7 @@ absl::StatusOr<HfExportResult> ExportHf(const TrainingState& state, const HfExpo
   result.out_dir = out;
   std::vector<uint16_t> buffer;
   if (o.dtype == ExportDtype::kBf16) buffer.resize(kExportBufferBytes / 2);
-  ordered_json weight_map = ordered_json::object();
+  OrderedJson weight_map = OrderedJson::object();
   for (const ExportShard& shard : shards) {
     const std::string path = absl::StrCat(tmp, "/", shard.file);
     ASSIGN_OR_RETURN(OutFile f, OutFile::Create(path));
@@ -469,7 +469,7 @@ absl::StatusOr<HfExportResult> ExportHf(const TrainingState& state, const HfExpo
     result.files.push_back(shard.file);
   }
   if (shards.size() > 1) {
-    ordered_json index = {{"metadata", {{"total_size", result.tensor_bytes}}},
+    OrderedJson index = {{"metadata", {{"total_size", result.tensor_bytes}}},
                           {"weight_map", std::move(weight_map)}};
     RETURN_IF_ERROR(
         WriteTextFile(absl::StrCat(tmp, "/model.safetensors.index.json"), index.dump(2) + "\n"));

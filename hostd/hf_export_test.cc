@@ -26,7 +26,7 @@ namespace slidedp::hostd {
 namespace {
 
 namespace fs = std::filesystem;
-using json = nlohmann::json;
+using Json = nlohmann::json;
 using testing::UniqueInstance;
 
 struct TempDir {
@@ -116,17 +116,17 @@ TEST(HfExportTest, Fp32SingleFileIsTheMasterBitForBit) {
                                                        std::string(kExportMarkerFile)}));
   EXPECT_FALSE(fs::exists(o.out_dir + ".tmp"));
   // The marker names hostd, the version and the files.
-  const json marker = json::parse(ReadText(o.out_dir + "/" + std::string(kExportMarkerFile)));
+  const Json marker = Json::parse(ReadText(o.out_dir + "/" + std::string(kExportMarkerFile)));
   EXPECT_EQ(marker.at("written_by"), "hostd");
   EXPECT_EQ(marker.at("version"), 0);
   EXPECT_EQ(marker.at("dtype"), "fp32");
-  EXPECT_EQ(marker.at("files"), json(r->files));
+  EXPECT_EQ(marker.at("files"), Json(r->files));
   EXPECT_FALSE(marker.at("hostd_version").get<std::string>().empty());
   EXPECT_EQ(r->tensor_bytes, s->total_params() * 4);
   CheckTensors(*s, o.out_dir, model::SafetensorsDtype::kF32, [&](uint32_t l, uint64_t off) {
     return static_cast<const void*>(s->master(l) + off);
   });
-  const json config = json::parse(ReadText(o.out_dir + "/config.json"));
+  const Json config = Json::parse(ReadText(o.out_dir + "/config.json"));
   EXPECT_EQ(config.at("torch_dtype"), "float32");
   EXPECT_EQ(config.at("tie_word_embeddings"), false);
   EXPECT_EQ(config.at("model_type"), "qwen3");
@@ -163,14 +163,14 @@ TEST(HfExportTest, Bf16ShardsWithIndexEqualTheServedParams) {
       EXPECT_TRUE(sh.bytes <= 40000 || sh.tensors.size() == 1) << sh.file;
       EXPECT_TRUE(fs::exists(out + "/" + sh.file)) << sh.file;
     }
-    const json index = json::parse(ReadText(out + "/model.safetensors.index.json"));
+    const Json index = Json::parse(ReadText(out + "/model.safetensors.index.json"));
     EXPECT_EQ(index.at("metadata").at("total_size"), s->total_params() * 2);
     EXPECT_FALSE(fs::exists(out + "/model.safetensors"));
     EXPECT_EQ(index.at("weight_map").contains("lm_head.weight"), std::string(model) == "tiny");
     CheckTensors(*s, out, model::SafetensorsDtype::kBF16, [&](uint32_t l, uint64_t off) {
       return static_cast<const void*>(s->params(l) + off);
     });
-    const json config = json::parse(ReadText(out + "/config.json"));
+    const Json config = Json::parse(ReadText(out + "/config.json"));
     EXPECT_EQ(config.at("torch_dtype"), "bfloat16");
     EXPECT_EQ(config.at("tie_word_embeddings"), std::string(model) == "tiny-tied");
   }
@@ -179,7 +179,7 @@ TEST(HfExportTest, Bf16ShardsWithIndexEqualTheServedParams) {
 TEST(HfExportTest, GenerationConfigWhenTheConfigNamesTokens) {
   auto s = MakeState("tiny");
   ASSERT_NE(s, nullptr);
-  json config = json::parse(s->model().config_json);
+  Json config = Json::parse(s->model().config_json);
   config["eos_token_id"] = 2;
   config["bos_token_id"] = 1;
   TempDir tmp;
@@ -188,7 +188,7 @@ TEST(HfExportTest, GenerationConfigWhenTheConfigNamesTokens) {
   o.config_json = config.dump();
   auto r = ExportHf(*s, o, nullptr);
   ASSERT_TRUE(r.ok()) << r.status();
-  const json g = json::parse(ReadText(o.out_dir + "/generation_config.json"));
+  const Json g = Json::parse(ReadText(o.out_dir + "/generation_config.json"));
   EXPECT_EQ(g.at("eos_token_id"), 2);
   EXPECT_EQ(g.at("bos_token_id"), 1);
   EXPECT_FALSE(g.contains("pad_token_id"));
@@ -255,7 +255,7 @@ TEST(HfExportTest, BadDestinationsAndConfigs) {
 // Writes a marker as an export of hostd does, listing `files`.
 void WriteMarker(const std::string& dir, const std::vector<std::string>& files) {
   std::ofstream(dir + "/" + std::string(kExportMarkerFile))
-      << json{{"written_by", "hostd"}, {"version", 1}, {"files", files}}.dump();
+      << Json{{"written_by", "hostd"}, {"version", 1}, {"files", files}}.dump();
 }
 
 // --overwrite replaces an earlier export of hostd, and only that: a directory that holds anything
@@ -515,7 +515,7 @@ TEST(HfExportEngineTest, WaitsForTheStepBoundaryAndValidatesInput) {
   auto r = exported.get();
   ASSERT_TRUE(r.ok()) << r.status();
   EXPECT_EQ(r->version(), 1u);
-  const json marker = json::parse(ReadText(tmp.path + "/out/" + std::string(kExportMarkerFile)));
+  const Json marker = Json::parse(ReadText(tmp.path + "/out/" + std::string(kExportMarkerFile)));
   EXPECT_EQ(marker.at("job_id"), "default");
   EXPECT_EQ(marker.at("version"), 1);
   EXPECT_EQ(r->dtype(), slidedp::v1::DTYPE_BF16);

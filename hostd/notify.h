@@ -42,7 +42,7 @@ class ServiceNotifier {
   // The watchdog interval the manager asked for (zero: none).
   std::chrono::microseconds watchdog_interval() const { return watchdog_; }
 
-  void Status(const std::string& status);
+  void Status(const std::string& status) ABSL_LOCKS_EXCLUDED(mu_);
   void Ready(const std::string& status);
   void Stopping();
 
@@ -51,20 +51,22 @@ class ServiceNotifier {
   // an error (the engine did not answer in time) as STATUS alone, without the ping. No thread
   // when the notifier is disabled.
   void Start(std::function<absl::StatusOr<std::string>()> probe,
-             std::chrono::milliseconds status_every = std::chrono::seconds(5));
-  void Stop();
+             std::chrono::milliseconds status_every = std::chrono::seconds(5))
+      ABSL_LOCKS_EXCLUDED(mu_);
+  void Stop() ABSL_LOCKS_EXCLUDED(mu_);
 
   // Until StopKeepalive: every `period`, EXTEND_TIMEOUT_USEC (three periods), WATCHDOG=1 and the
   // text of the last Status() call. For long work before Ready or after Stopping.
-  void StartKeepalive(std::chrono::milliseconds period = std::chrono::seconds(10));
-  void StopKeepalive();
+  void StartKeepalive(std::chrono::milliseconds period = std::chrono::seconds(10))
+      ABSL_LOCKS_EXCLUDED(mu_);
+  void StopKeepalive() ABSL_LOCKS_EXCLUDED(mu_);
 
  private:
   void Send(const std::string& state);
   // Runs `tick` every `period` on thread `t` until `*stop` is set; `stop` is stop_ or
   // keepalive_stop_, read and written only under mu_.
   void Loop(std::thread* t, bool* stop, std::chrono::milliseconds period,
-            std::function<void()> tick);
+            std::function<void()> tick) ABSL_LOCKS_EXCLUDED(mu_);
   // Sets `*stop` (under mu_, which wakes the loop's Await) and joins `t`.
   void Join(std::thread* t, bool* stop) ABSL_LOCKS_EXCLUDED(mu_);
 

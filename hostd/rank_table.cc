@@ -12,7 +12,7 @@ namespace {
 std::string RandomHex(int bytes) {
   std::random_device rd;
   std::string out;
-  static const char* kHex = "0123456789abcdef";
+  static constexpr char kHex[] = "0123456789abcdef";
   for (int i = 0; i < bytes; ++i) {
     const unsigned b = rd() & 0xff;
     out.push_back(kHex[b >> 4]);

@@ -25,7 +25,7 @@ namespace {
 static_assert(std::endian::native == std::endian::little,
               "safetensors data is little-endian; the F32 path copies it as is");
 
-using json = nlohmann::json;
+using Json = nlohmann::json;
 
 // Debian's abseil builds absl::string_view as its own class, not an alias of std::string_view.
 absl::string_view Av(std::string_view s) { return absl::string_view(s.data(), s.size()); }
@@ -105,14 +105,14 @@ class HeaderSax : public SaxErrors {
  public:
   bool null() { return Unexpected("null"); }
   bool boolean(bool) { return Unexpected("a boolean"); }
-  bool number_integer(json::number_integer_t v) {
+  bool number_integer(Json::number_integer_t v) {
     // nlohmann reports only negative integers here; non-negative ones go to number_unsigned.
     if (InArray()) {
       return Fail(absl::StrCat(FieldWhere(), ": ", v, " is negative; expected integers >= 0"));
     }
     return Unexpected("a number");
   }
-  bool number_unsigned(json::number_unsigned_t v) {
+  bool number_unsigned(Json::number_unsigned_t v) {
     // A header that is a bare number or string: no frame yet (Top() needs one).
     if (stack_.empty()) return Unexpected("a number");
     if (Top() == Frame::kShape) {
@@ -131,13 +131,13 @@ class HeaderSax : public SaxErrors {
     }
     return Unexpected("a number");
   }
-  bool number_float(json::number_float_t, const json::string_t& text) {
+  bool number_float(Json::number_float_t, const Json::string_t& text) {
     if (InArray()) {
       return Fail(absl::StrCat(FieldWhere(), ": ", Quote(text), " is not an integer in 0..2^64-1"));
     }
     return Unexpected("a number");
   }
-  bool string(json::string_t& s) {
+  bool string(Json::string_t& s) {
     if (stack_.empty()) return Unexpected("a string");
     if (Top() == Frame::kEntry && field_ == Field::kDtype) {
       entry_.dtype = std::move(s);
@@ -150,7 +150,7 @@ class HeaderSax : public SaxErrors {
     }
     return Unexpected("a string");
   }
-  bool binary(json::binary_t&) { return Unexpected("binary data"); }
+  bool binary(Json::binary_t&) { return Unexpected("binary data"); }
 
   bool start_object(std::size_t) {
     if (stack_.empty()) {
@@ -169,7 +169,7 @@ class HeaderSax : public SaxErrors {
     }
     return Unexpected("an object");
   }
-  bool key(json::string_t& k) {
+  bool key(Json::string_t& k) {
     switch (Top()) {
       case Frame::kRoot:
         if (!root_keys_.insert(k).second) return Fail(absl::StrCat("duplicate key ", Quote(k)));
@@ -303,11 +303,11 @@ class IndexSax : public SaxErrors {
  public:
   bool null() { return Scalar("null"); }
   bool boolean(bool) { return Scalar("a boolean"); }
-  bool number_integer(json::number_integer_t) { return Scalar("a number"); }
-  bool number_unsigned(json::number_unsigned_t) { return Scalar("a number"); }
-  bool number_float(json::number_float_t, const json::string_t&) { return Scalar("a number"); }
-  bool binary(json::binary_t&) { return Scalar("binary data"); }
-  bool string(json::string_t& s) {
+  bool number_integer(Json::number_integer_t) { return Scalar("a number"); }
+  bool number_unsigned(Json::number_unsigned_t) { return Scalar("a number"); }
+  bool number_float(Json::number_float_t, const Json::string_t&) { return Scalar("a number"); }
+  bool binary(Json::binary_t&) { return Scalar("binary data"); }
+  bool string(Json::string_t& s) {
     if (skip_depth_ == 0 && state_ == State::kWeightMap) {
       weight_map_.emplace(std::move(key_), std::move(s));
       return true;
@@ -318,7 +318,7 @@ class IndexSax : public SaxErrors {
   bool start_array(std::size_t) { return Container("an array", /*is_object=*/false); }
   bool end_object() { return End(); }
   bool end_array() { return End(); }
-  bool key(json::string_t& k) {
+  bool key(Json::string_t& k) {
     if (skip_depth_ > 0) return true;
     if (state_ == State::kRoot) {
       if (!root_keys_.insert(k).second) return Fail(absl::StrCat("duplicate key ", Quote(k)));
@@ -394,7 +394,7 @@ class IndexSax : public SaxErrors {
 template <typename Sax>
 bool RunSax(std::string_view text, Sax* sax) {
   try {
-    return json::sax_parse(text.begin(), text.end(), sax, json::input_format_t::json,
+    return Json::sax_parse(text.begin(), text.end(), sax, Json::input_format_t::json,
                            /*strict=*/true);
   } catch (const std::exception& e) {
     // The handlers never throw; this is for allocation failures and library surprises.

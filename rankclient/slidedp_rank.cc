@@ -69,6 +69,32 @@ int Guard(Fn fn) {
 
 std::chrono::milliseconds Ms(uint32_t ms) { return std::chrono::milliseconds(ms); }
 
+// Copies `text` and a NUL into out; RESOURCE_EXHAUSTED naming the size needed.
+int CopyOut(const std::string& text, char* out, size_t out_len, absl::string_view what) {
+  if (text.size() + 1 > out_len) {
+    return Fail(absl::StatusCode::kResourceExhausted,
+                absl::StrCat("out_len: ", out_len, ", ", what, " needs ", text.size() + 1));
+  }
+  std::memcpy(out, text.c_str(), text.size() + 1);
+  return Ok();
+}
+
+// The model of an HF config.json text, or of a built-in ("tiny", "tiny-tied").
+absl::StatusOr<slidedp::model::LoadedModel> ModelOfConfig(const std::string& text) {
+  return (text == "tiny" || text == "tiny-tied")
+             ? slidedp::model::LoadModel(text)
+             : slidedp::model::ManifestFromHfConfig(text, "config.json");
+}
+
+int CopyName(const std::string& src, char* dst, size_t dst_len) {
+  if (dst == nullptr) return Ok();
+  if (dst_len < src.size() + 1) {
+    return Fail(absl::StatusCode::kOutOfRange, absl::StrCat("name_len: ", dst_len, ", the name '",
+                                                            src, "' needs ", src.size() + 1));
+  }
+  std::memcpy(dst, src.c_str(), src.size() + 1);
+  return Ok();
+}
 }  // namespace
 
 extern "C" {
@@ -92,27 +118,6 @@ int slidedp_clip_scale(double grad_norm, double max_grad_norm, int* skip, double
   *scale = d.scale;
   return Ok();
 }
-
-namespace {
-
-// Copies `text` and a NUL into out; RESOURCE_EXHAUSTED naming the size needed.
-int CopyOut(const std::string& text, char* out, size_t out_len, absl::string_view what) {
-  if (text.size() + 1 > out_len) {
-    return Fail(absl::StatusCode::kResourceExhausted,
-                absl::StrCat("out_len: ", out_len, ", ", what, " needs ", text.size() + 1));
-  }
-  std::memcpy(out, text.c_str(), text.size() + 1);
-  return Ok();
-}
-
-// The model of an HF config.json text, or of a built-in ("tiny", "tiny-tied").
-absl::StatusOr<slidedp::model::LoadedModel> ModelOfConfig(const std::string& text) {
-  return (text == "tiny" || text == "tiny-tied")
-             ? slidedp::model::LoadModel(text)
-             : slidedp::model::ManifestFromHfConfig(text, "config.json");
-}
-
-}  // namespace
 
 int slidedp_manifest_hash_from_hf_config(const char* config, char* out, size_t out_len) {
   return Guard([&] {
@@ -210,18 +215,6 @@ int slidedp_rank_layer_numel(const slidedp_rank* h, uint32_t layer, uint64_t* nu
   *numel = h->client->layer_numel(layer);
   return Ok();
 }
-
-namespace {
-int CopyName(const std::string& src, char* dst, size_t dst_len) {
-  if (dst == nullptr) return Ok();
-  if (dst_len < src.size() + 1) {
-    return Fail(absl::StatusCode::kOutOfRange, absl::StrCat("name_len: ", dst_len, ", the name '",
-                                                            src, "' needs ", src.size() + 1));
-  }
-  std::memcpy(dst, src.c_str(), src.size() + 1);
-  return Ok();
-}
-}  // namespace
 
 int slidedp_rank_layer_info(const slidedp_rank* h, uint32_t layer, char* name, size_t name_len,
                             uint32_t* num_tensors) {

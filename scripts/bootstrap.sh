@@ -10,7 +10,7 @@ PACKAGES=(
   libcli11-dev libspdlog-dev nlohmann-json3-dev libtomlplusplus-dev prometheus-cpp-dev
   libsystemd-dev libxxhash-dev libgtest-dev libgmock-dev libbenchmark-dev clang-format
   ccache patchelf
-  clang-14 libclang-rt-14-dev python3-grpcio
+  clang-14 libclang-rt-14-dev clang-tidy-14 python3-grpcio
 )
 
 missing=()

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The whole test suite on a fresh machine: installs dependencies, builds, runs every CTest label
-# (unit, integration, fault, python, fuzz, tsan; gpu tests skip without a GPU). The fuzz and tsan
-# labels build their own trees (build-fuzz with clang, build-tsan) through scripts/fuzz.sh and
-# scripts/tsan.sh.
+# (unit, integration, fault, python, fuzz, tsan, lint; gpu tests skip without a GPU). The fuzz,
+# tsan and lint labels build their own trees (build-fuzz with clang, build-tsan, build-lint with
+# clang) through scripts/fuzz.sh, scripts/tsan.sh and scripts/lint.sh.
 # Extra arguments go to ctest, e.g. scripts/test.sh -L unit
 set -euo pipefail
 cd "$(dirname "$0")/.."

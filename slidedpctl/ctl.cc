@@ -648,7 +648,7 @@ int Run(const std::vector<std::string>& args, std::ostream& out, std::ostream& e
                    "hostd's checkpoint.dir; others must lie under hostd's output_roots)")
       ->type_name("DIR");
   checkpoint_cmd->add_option("--wait-s", wait_s, "how long to wait for the commit")
-      ->check(CLI::Range(int64_t{1}, int64_t{7 * 24 * 3600}))
+      ->check(CLI::Range(int64_t{1}, int64_t{7} * 24 * 3600))
       ->capture_default_str();
   std::string list_dir;
   bool verify = false;

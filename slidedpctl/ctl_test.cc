@@ -229,7 +229,7 @@ TEST_F(CtlTest, JsonAcceptedBeforeAndAfterSubcommand) {
   ASSERT_EQ(before.code, kExitOk) << before.err;
   ASSERT_EQ(after.code, kExitOk) << after.err;
   EXPECT_EQ(before.out, after.out);
-  EXPECT_NO_THROW(Json::parse(after.out));
+  EXPECT_NO_THROW({ [[maybe_unused]] const Json parsed = Json::parse(after.out); });
 }
 
 TEST_F(CtlTest, GlobalOptionsAcceptedAfterSubcommand) {

@@ -95,7 +95,7 @@ model::LoadedModel SyntheticModel(const Args& a) {
     layer->set_kind(v1::LAYER_KIND_DECODER);
     auto* t = layer->add_tensors();
     t->set_name(absl::StrCat("block", l, ".weight"));
-    t->add_shape(a.params_per_layer);
+    t->add_shape(static_cast<int64_t>(a.params_per_layer));
     t->set_dtype(v1::DTYPE_BF16);
   }
   m.initializer_range = 0.02;

@@ -224,8 +224,8 @@ absl::Status Trainer::Run() {
       "rank %u/%u: attached at step %llu; samples [%llu, %llu) of a global batch of %u, %u layers "
       "of %u\n",
       f_.rank, f_.run.world_size, static_cast<unsigned long long>(client_->next_step_at_attach()),
-      static_cast<unsigned long long>(f_.rank * per_rank),
-      static_cast<unsigned long long>((f_.rank + 1) * per_rank), f_.run.model.batch,
+      static_cast<unsigned long long>(f_.rank) * per_rank,
+      (static_cast<unsigned long long>(f_.rank) + 1) * per_rank, f_.run.model.batch,
       f_.run.model.layers, f_.run.model.dim);
   std::fflush(stdout);
 

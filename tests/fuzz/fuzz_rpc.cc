@@ -248,29 +248,29 @@ bool Applied(const std::string& field, const v1::OptimizerConfig& asked,
   return false;  // not a settable field: the call must have failed
 }
 
-using u128 = unsigned __int128;
-constexpr u128 kPage = shm::kPayloadAlign;
-u128 AlignUp(u128 v) { return (v + kPage - 1) / kPage * kPage; }
+using Uint128 = unsigned __int128;
+constexpr Uint128 kPage = shm::kPayloadAlign;
+Uint128 AlignUp(Uint128 v) { return (v + kPage - 1) / kPage * kPage; }
 
 // The segments a job of this (normalized) spec and manifest maps, sized as TrainingState lays
 // them out, in 128 bits: whatever the request says, nothing here wraps (a product of dimensions
 // saturates at 2^100, past any machine).
 struct Footprint {
-  u128 control = 0, state = 0, params = 0, grads = 0;
-  u128 total() const { return control + state + params + grads; }
+  Uint128 control = 0, state = 0, params = 0, grads = 0;
+  Uint128 total() const { return control + state + params + grads; }
 };
 
 Footprint FootprintOf(const v1::ModelManifest& m, uint32_t world_size, uint64_t chunk_bytes) {
-  constexpr u128 kSaturated = u128{1} << 100;
+  constexpr Uint128 kSaturated = Uint128{1} << 100;
   Footprint f;
   f.state = shm::kHeaderBytes;
   f.params = shm::kHeaderBytes;
   for (const v1::LayerSpec& l : m.layers()) {
-    u128 numel = 0;
+    Uint128 numel = 0;
     for (const v1::TensorSpec& t : l.tensors()) {
-      u128 n = 1;
+      Uint128 n = 1;
       for (int64_t d : t.shape()) {
-        n = d <= 0 ? 0 : std::min(kSaturated, n * static_cast<u128>(d));
+        n = d <= 0 ? 0 : std::min(kSaturated, n * static_cast<Uint128>(d));
       }
       numel = std::min(kSaturated, numel + n);
     }
@@ -279,7 +279,7 @@ Footprint FootprintOf(const v1::ModelManifest& m, uint32_t world_size, uint64_t 
   }
   f.state = AlignUp(f.state);
   f.params = AlignUp(f.params);
-  f.grads = AlignUp(shm::kHeaderBytes + u128{world_size} * kGradRingSlots * chunk_bytes);
+  f.grads = AlignUp(shm::kHeaderBytes + Uint128{world_size} * kGradRingSlots * chunk_bytes);
   f.control = AlignUp(
       shm::ControlSegmentBytes(static_cast<uint32_t>(m.layers_size()), world_size, kGradRingSlots));
   return f;
@@ -564,11 +564,11 @@ class Harness {
     FUZZ_CHECK(st.ok());
     int seen = 0;
     for (const v1::SegmentInfo& seg : st->segments()) {
-      const u128 want = seg.kind() == v1::SEGMENT_KIND_CONTROL  ? f.control
+      const Uint128 want = seg.kind() == v1::SEGMENT_KIND_CONTROL  ? f.control
                         : seg.kind() == v1::SEGMENT_KIND_STATE  ? f.state
                         : seg.kind() == v1::SEGMENT_KIND_PARAMS ? f.params
                                                                 : f.grads;
-      if (u128{seg.size_bytes()} != want) {
+      if (Uint128{seg.size_bytes()} != want) {
         fprintf(stderr, "fuzz_rpc: segment %s is %llu bytes, the spec calls for %llu\n",
                 seg.name().c_str(), static_cast<unsigned long long>(seg.size_bytes()),
                 static_cast<unsigned long long>(want));
@@ -577,7 +577,7 @@ class Harness {
       ++seen;
     }
     FUZZ_CHECK(seen == 4);
-    FUZZ_CHECK(u128{st->shm_bytes()} == f.total());
+    FUZZ_CHECK(Uint128{st->shm_bytes()} == f.total());
   }
 
   absl::StatusOr<v1::UpdateHyperParamsResponse> UpdateHyperParams(
