@@ -852,8 +852,12 @@ absl::StatusOr<slidedp::v1::AttachRankResponse> Engine::AttachRank(
   std::optional<RouteChoice> new_route;
   if (job_->routes().grad_route() == slidedp::v1::GRAD_ROUTE_AUTO && !ranks_.AnyAttached()) {
     RouteChoice c = ChooseGradRoute(slidedp::v1::GRAD_ROUTE_AUTO, job_->world_size(), r.rank(),
-                                    r.gpu());
-    if (c.route != route_.route) new_route = std::move(c);
+                                    r.gpu(), static_cast<uint32_t>(topology_.gpus.size()));
+    if (c.route != route_.route) {
+      new_route = std::move(c);
+    } else {
+      route_ = std::move(c);  // the same route, chosen anew (for other ranks, another reason)
+    }
   } else {
     RETURN_IF_ERROR(CheckRankDevice(route_, r.rank(), r.gpu()));
   }

@@ -69,8 +69,8 @@ class EngineTest : public ::testing::Test {
     }
     std::filesystem::remove_all(dir_);
   }
-  void Start() {
-    auto e = Engine::Create(config_);
+  void Start(std::optional<Topology> topology = std::nullopt) {
+    auto e = Engine::Create(config_, {}, std::move(topology));
     ASSERT_TRUE(e.ok()) << e.status();
     engine_ = std::move(*e);
     auto s = ControlServer::Start(engine_.get(), {config_.socket, "", 0600});
@@ -1066,9 +1066,20 @@ TEST_F(EngineTest, CommIdsLiveWithRankZerosAttachmentAcrossAttachCycles) {
 // grad_route auto (the default): the first rank to attach to a job with none attached picks the
 // route from its device -- GPU reduction for a GPU rank, CPU reduction for a CPU rank -- and the
 // ranks after it must be on the same kind of device; an explicit route stands whatever attaches.
+// This machine's topology with `gpus` GPUs on its first node (the GPUs hostd would see).
+Topology WithGpus(int gpus) {
+  absl::StatusOr<Topology> t = DiscoverTopology();
+  EXPECT_TRUE(t.ok()) << t.status();
+  for (int g = 0; g < gpus; ++g) {
+    t->gpus.push_back(GpuTopology{absl::StrFormat("0000:%02x:00.0", 0x17 + g), "H200",
+                                  t->nodes.front().os_index});
+  }
+  return *std::move(t);
+}
+
 TEST_F(EngineTest, GradRouteAutoFollowsWhatAttaches) {
   config_.world_size = 2;
-  Start();
+  Start(WithGpus(2));
   auto status = [&] {
     grpc::ClientContext ctx;
     v1::GetStatusResponse st;
@@ -1115,6 +1126,19 @@ TEST_F(EngineTest, GradRouteAutoFollowsWhatAttaches) {
     detach(0, c0.attach_token());
     detach(1, c1.attach_token());
   }
+}
+
+// Two rank processes on one GPU (how R > 1 runs on the one-H200 machine): NCCL needs a device
+// per rank, so auto picks CPU reduction for them.
+TEST_F(EngineTest, GradRouteAutoGivesRanksSharingAGpuCpuReduction) {
+  config_.world_size = 2;
+  Start(WithGpus(1));
+  EXPECT_EQ(Attach(0, /*gpu=*/0).layout().grad_route(), v1::GRAD_ROUTE_CPU_REDUCTION);
+  EXPECT_EQ(Attach(1, /*gpu=*/0).layout().grad_route(), v1::GRAD_ROUTE_CPU_REDUCTION);
+  grpc::ClientContext ctx;
+  v1::GetStatusResponse st;
+  ASSERT_TRUE(stub_->GetStatus(&ctx, v1::GetStatusRequest(), &st).ok());
+  EXPECT_THAT(st.job().grad_route_choice(), HasSubstr("2 ranks share the 1 GPU(s) hostd sees"));
 }
 
 TEST_F(EngineTest, AnExplicitGradRouteStandsWhateverAttaches) {

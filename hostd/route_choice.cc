@@ -23,7 +23,7 @@ const char* RouteName(slidedp::v1::GradRoute r) {
 }  // namespace
 
 RouteChoice ChooseGradRoute(slidedp::v1::GradRoute configured, uint32_t world_size, uint32_t rank,
-                            int32_t gpu) {
+                            int32_t gpu, uint32_t machine_gpus) {
   RouteChoice c;
   if (configured != slidedp::v1::GRAD_ROUTE_AUTO) {
     c.route = configured == slidedp::v1::GRAD_ROUTE_UNSPECIFIED
@@ -33,7 +33,13 @@ RouteChoice ChooseGradRoute(slidedp::v1::GradRoute configured, uint32_t world_si
     return c;
   }
   c.automatic = true;
-  if (gpu >= 0) {
+  c.on_gpus = gpu >= 0;
+  if (gpu >= 0 && world_size > 1 && world_size > machine_gpus) {
+    c.route = slidedp::v1::GRAD_ROUTE_CPU_REDUCTION;
+    c.why = absl::StrCat("rank ", rank, " attached first, on GPU ", gpu, ", but ", world_size,
+                         " ranks share the ", machine_gpus, " GPU(s) hostd sees and NCCL needs "
+                         "one per rank: hostd sums the pushes");
+  } else if (gpu >= 0) {
     c.route = slidedp::v1::GRAD_ROUTE_GPU_REDUCTION;
     c.why = absl::StrCat("rank ", rank, " attached first, on GPU ", gpu, ": ",
                          world_size == 1 ? "one GPU rank returns its gradient"
@@ -48,7 +54,7 @@ RouteChoice ChooseGradRoute(slidedp::v1::GradRoute configured, uint32_t world_si
 
 absl::Status CheckRankDevice(const RouteChoice& chosen, uint32_t rank, int32_t gpu) {
   if (!chosen.automatic) return absl::OkStatus();
-  const bool gpu_route = chosen.route != slidedp::v1::GRAD_ROUTE_CPU_REDUCTION;
+  const bool gpu_route = chosen.on_gpus;
   if (gpu_route == (gpu >= 0)) return absl::OkStatus();
   return absl::FailedPreconditionError(absl::StrCat(
       "gpu: rank ", rank, " attaches ", gpu >= 0 ? absl::StrCat("on GPU ", gpu) : "on the CPU",

@@ -6,7 +6,9 @@
 // after it must be of the same kind. An explicit grad_route (config key, flag, a job spec) is
 // used as it is and only reported.
 //
-// Several GPU ranks get GPU reduction too: reduce-scatter returns 1/R of the gradient per rank
+// Several GPU ranks get GPU reduction when the machine has a GPU for each (NCCL needs one device
+// per rank); more ranks than the GPUs hostd sees (rank processes sharing a GPU, or GPUs hostd's
+// topology did not find) get CPU reduction. Several GPU ranks get GPU reduction too: reduce-scatter returns 1/R of the gradient per rank
 // over R PCIe links, which is faster only where the one pushing rank's D2H binds the step; that
 // choice needs a measurement on a machine with several GPUs (issue #22) and is not made here.
 //
@@ -24,13 +26,15 @@ namespace slidedp::hostd {
 struct RouteChoice {
   slidedp::v1::GradRoute route = slidedp::v1::GRAD_ROUTE_UNSPECIFIED;
   bool automatic = false;  // chosen by hostd (grad_route auto), not set
+  bool on_gpus = false;    // automatic: the ranks it was chosen for are GPU ranks
   std::string why;         // for the log and JobStatus.grad_route_choice
 };
 
 // The route of a job whose configured route is `configured` when rank `rank` attaches first
-// on `gpu` (-1: CPU) with `world_size` ranks in the job.
+// on `gpu` (-1: CPU) with `world_size` ranks in the job, on a machine where hostd sees
+// `machine_gpus` GPUs.
 RouteChoice ChooseGradRoute(slidedp::v1::GradRoute configured, uint32_t world_size, uint32_t rank,
-                            int32_t gpu);
+                            int32_t gpu, uint32_t machine_gpus);
 
 // Whether rank `rank` on `gpu` may join ranks attached under `chosen`: FAILED_PRECONDITION,
 // naming the field, when an automatic choice for GPU ranks meets a CPU rank or the reverse.

@@ -50,7 +50,12 @@ HOSTD = LIB = None
 DEVICE = "cpu"
 LR, WD, BETAS, EPS = 1e-3, 0.01, (0.9, 0.999), 1e-8
 STEPS, BATCH, SEQ = 20, 8, 32
-TOL = {"cpu": (1e-4, 2e-3, 0.90), "cuda": (2e-3, 1e-2, 0.50)}
+# (loss rtol, final params rel L2, fraction of BF16 parameters bit-identical to the one-process
+# reference). The last is a summation-order figure, not a correctness bound: ranks accumulating
+# micro-batches add in another order than one process on the global batch. torch 2.15's CPU
+# kernels give 88.9% on the tied no-recompute accumulation case, the same with the
+# python client of 3dedfe9, so the bound is 0.85; rel L2 (4.6e-4 there) is the accuracy check.
+TOL = {"cpu": (1e-4, 2e-3, 0.85), "cuda": (2e-3, 1e-2, 0.50)}
 SENTENCES = ["the quick brown fox jumps over the lazy dog. ", "a stitch in time saves nine. ",
              "all that glitters is not gold. ", "to be or not to be, that is the question. ",
              "slidedp streams layers through a small gpu window. "]
