@@ -164,8 +164,8 @@ absl::Status Engine::Init(std::optional<Topology> topology) {
     ASSIGN_OR_RETURN(topology_, DiscoverTopology());
   }
   ASSIGN_OR_RETURN(state_node_, ChooseStateNode(topology_, config_.numa_node));
-  ASSIGN_OR_RETURN(worker_cpus_, WorkerCpus(topology_, state_node_, config_.update_threads,
-                                            config_.world_size));
+  ASSIGN_OR_RETURN(worker_cpus_,
+                   WorkerCpus(topology_, state_node_, config_.update_threads, config_.world_size));
   ASSIGN_OR_RETURN(isa_, ChooseIsa(config_.isa));
   // Held for this engine's life: no other hostd adopts, removes or recreates our segments. Its
   // mode and group (shm_mode, shm_group) are those of the segments ranks map and the socket.
@@ -859,7 +859,11 @@ absl::StatusOr<slidedp::v1::AttachRankResponse> Engine::AttachRank(
       route_ = std::move(c);  // the same route, chosen anew (for other ranks, another reason)
     }
   } else {
-    RETURN_IF_ERROR(CheckRankDevice(route_, r.rank(), r.gpu()));
+    // Warned, not refused: AttachRankRequest.gpu defaults to 0, so a client that never sets
+    // it reads as a GPU rank; the rank library refuses a route it cannot run.
+    if (absl::Status st = CheckRankDevice(route_, r.rank(), r.gpu()); !st.ok()) {
+      spdlog::warn("{}", std::string(st.message()));
+    }
   }
   ASSIGN_OR_RETURN(std::vector<uint32_t> client_layers,
                    client_.NormalizeSet(std::vector<uint32_t>(r.client_updated_layers().begin(),

@@ -51,7 +51,7 @@ struct LayerSnapshot {
 slidedp::v1::LayerStatus RenderLayer(const LayerSnapshot& s);
 
 struct JobSnapshot {
-  slidedp::v1::JobSpec spec;               // the job as created (routes, world size)
+  slidedp::v1::JobSpec spec;  // the job as created (routes, world size)
   // The gradient route in effect (spec.routes' when set; hostd's choice under grad_route auto)
   // and how it came about (JobStatus.grad_route_choice).
   slidedp::v1::GradRoute grad_route = slidedp::v1::GRAD_ROUTE_UNSPECIFIED;

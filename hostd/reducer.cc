@@ -137,16 +137,16 @@ absl::Status GradientReducer::SetRoute(Route route, std::vector<uint32_t> pushin
   }
   for (uint32_t r : pushing_ranks) {
     if (r >= state_->world_size()) {
-      return absl::InvalidArgumentError(absl::StrCat("pushing_ranks: rank ", r, " of world size ",
-                                                     state_->world_size()));
+      return absl::InvalidArgumentError(
+          absl::StrCat("pushing_ranks: rank ", r, " of world size ", state_->world_size()));
     }
   }
   {
     absl::MutexLock lock(&mu_);
     if (armed_step_ != 0 && current_layer_ >= 0) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "the route changes only between steps; step ", armed_step_, " is reducing layer ",
-          current_layer_));
+      return absl::FailedPreconditionError(
+          absl::StrCat("the route changes only between steps; step ", armed_step_,
+                       " is reducing layer ", current_layer_));
     }
     if (std::find(lent_.begin(), lent_.end(), true) != lent_.end()) {
       return absl::FailedPreconditionError(
@@ -291,8 +291,8 @@ bool GradientReducer::TrySumLocked() {
         cs.dtype != h0.dtype) {
       FailLocked(absl::StrCat("ranks disagree on chunk ", next_seq_, ": rank ", r, " sent layer ",
                               cs.layer, " offset ", cs.offset_elements, " numel ", cs.numel,
-                              ", rank ", pushing_ranks_[0], " sent layer ", h0.layer,
-                              " offset ", h0.offset_elements, " numel ", h0.numel));
+                              ", rank ", pushing_ranks_[0], " sent layer ", h0.layer, " offset ",
+                              h0.offset_elements, " numel ", h0.numel));
       return true;
     }
   }
@@ -333,9 +333,11 @@ bool GradientReducer::TrySumLocked() {
   // 4. Reduce in fixed rank order.
   const auto t0 = std::chrono::steady_clock::now();
   float* dst = buffers_[current_buffer_].data.data() + h0.offset_elements;
+  // Read here, under mu_: the pool's threads run the lambda while this thread holds mu_ and waits.
+  const std::vector<uint32_t>* ranks = &pushing_ranks_;
   auto reduce_range = [&](size_t b, size_t e, int) {
     bool first = true;
-    for (uint32_t r : pushing_ranks_) {
+    for (uint32_t r : *ranks) {
       const auto* src = static_cast<const char*>(state_->grad_slot_data(r, slot));
       Accumulate(dst + b, src + b * elem_bytes_, options_.grad_type, e - b, first);
       first = false;

@@ -208,12 +208,12 @@ class GradientReducer {
 
   mutable absl::Mutex mu_;
   bool stop_ ABSL_GUARDED_BY(mu_) = false;
-  uint64_t armed_step_ ABSL_GUARDED_BY(mu_) = 0;             // 0: no step running
-  uint64_t next_seq_ ABSL_GUARDED_BY(mu_) = 0;               // kSum: the lockstep cursor
+  uint64_t armed_step_ ABSL_GUARDED_BY(mu_) = 0;              // 0: no step running
+  uint64_t next_seq_ ABSL_GUARDED_BY(mu_) = 0;                // kSum: the lockstep cursor
   Route route_ ABSL_GUARDED_BY(mu_);                          // options_.route, or SetRoute's
   std::vector<uint32_t> pushing_ranks_ ABSL_GUARDED_BY(mu_);  // likewise
-  std::vector<Cursor> cursors_ ABSL_GUARDED_BY(mu_);         // kShards: per pushing rank
-  std::vector<ChunkHeader> sum_heads_ ABSL_GUARDED_BY(mu_);  // kSum: per pushing rank
+  std::vector<Cursor> cursors_ ABSL_GUARDED_BY(mu_);          // kShards: per pushing rank
+  std::vector<ChunkHeader> sum_heads_ ABSL_GUARDED_BY(mu_);   // kSum: per pushing rank
   int64_t current_layer_ ABSL_GUARDED_BY(mu_) = -1;
   uint64_t current_done_ ABSL_GUARDED_BY(mu_) = 0;  // kSum: elements of current_layer_ reduced
   bool current_streamed_ ABSL_GUARDED_BY(mu_) = false;

@@ -37,7 +37,8 @@ RouteChoice ChooseGradRoute(slidedp::v1::GradRoute configured, uint32_t world_si
   if (gpu >= 0 && world_size > 1 && world_size > machine_gpus) {
     c.route = slidedp::v1::GRAD_ROUTE_CPU_REDUCTION;
     c.why = absl::StrCat("rank ", rank, " attached first, on GPU ", gpu, ", but ", world_size,
-                         " ranks share the ", machine_gpus, " GPU(s) hostd sees and NCCL needs "
+                         " ranks share the ", machine_gpus,
+                         " GPU(s) hostd sees and NCCL needs "
                          "one per rank: hostd sums the pushes");
   } else if (gpu >= 0) {
     c.route = slidedp::v1::GRAD_ROUTE_GPU_REDUCTION;
@@ -59,7 +60,8 @@ absl::Status CheckRankDevice(const RouteChoice& chosen, uint32_t rank, int32_t g
   return absl::FailedPreconditionError(absl::StrCat(
       "gpu: rank ", rank, " attaches ", gpu >= 0 ? absl::StrCat("on GPU ", gpu) : "on the CPU",
       ", but the attached ranks are on ", gpu_route ? "GPUs" : "the CPU",
-      " and grad_route auto chose ", RouteName(chosen.route), " for them; every rank of a job "
+      " and grad_route auto chose ", RouteName(chosen.route),
+      " for them; every rank of a job "
       "uses the same kind of device (or set grad_route explicitly)"));
 }
 

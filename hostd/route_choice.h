@@ -3,14 +3,16 @@
 // -- a GPU rank (AttachRankRequest.gpu >= 0) gets GPU reduction (the ranks all-reduce over NCCL
 // and one rank returns the aggregated gradient, which hostd applies chunk by chunk as it
 // arrives); a CPU rank gets CPU reduction (every rank pushes, hostd sums). The ranks that attach
-// after it must be of the same kind. An explicit grad_route (config key, flag, a job spec) is
+// after it join that route (one of the other kind is warned of: the request's gpu defaults to
+// 0, so a client that never sets it reads as a GPU rank). An explicit grad_route (config key, flag, a job spec) is
 // used as it is and only reported.
 //
 // Several GPU ranks get GPU reduction when the machine has a GPU for each (NCCL needs one device
 // per rank); more ranks than the GPUs hostd sees (rank processes sharing a GPU, or GPUs hostd's
-// topology did not find) get CPU reduction. Several GPU ranks get GPU reduction too: reduce-scatter returns 1/R of the gradient per rank
-// over R PCIe links, which is faster only where the one pushing rank's D2H binds the step; that
-// choice needs a measurement on a machine with several GPUs (issue #22) and is not made here.
+// topology did not find) get CPU reduction. Several GPU ranks get GPU reduction too: reduce-scatter
+// returns 1/R of the gradient per rank over R PCIe links, which is faster only where the one
+// pushing rank's D2H binds the step; that choice needs a measurement on a machine with several GPUs
+// (issue #22) and is not made here.
 //
 // Pure functions: no locks, no I/O.
 #pragma once

@@ -51,8 +51,8 @@ TEST(TopologyTest, AutoUpdateThreadsLeaveCoresToRanksAndHostd) {
   EXPECT_EQ(AutoUpdateThreads(16, 1), 12);  // the H200 machine's best hand-tuned setting
   EXPECT_EQ(AutoUpdateThreads(64, 8), 46);
   EXPECT_EQ(AutoUpdateThreads(4, 1), 1);
-  EXPECT_EQ(AutoUpdateThreads(2, 8), 1);  // never none
-  Topology t = TwoNodes();  // 4 cores per node
+  EXPECT_EQ(AutoUpdateThreads(2, 8), 1);                         // never none
+  Topology t = TwoNodes();                                       // 4 cores per node
   EXPECT_EQ(*WorkerCpus(t, 1, 0, 0), (std::vector<int>{4, 5}));  // no rank: 4 - 2
   EXPECT_EQ(*WorkerCpus(t, 1, 0, 1), (std::vector<int>{4}));
   EXPECT_EQ(*WorkerCpus(t, 1, 0, 4), (std::vector<int>{4}));
