@@ -370,8 +370,8 @@ INSTANTIATE_TEST_SUITE_P(
     Keys, PrecedenceTest,
     ::testing::Values(
         PrecedenceKey{"lr", "0.1", "0.2", "0.3", "0.0001", "0.1", "0.2", "0.3"},
-        PrecedenceKey{"grad_route", "\"gpu_reduction\"", "reduce_scatter", "cpu_reduction",
-                      "auto", "gpu_reduction", "reduce_scatter", "cpu_reduction"},
+        PrecedenceKey{"grad_route", "\"gpu_reduction\"", "reduce_scatter", "cpu_reduction", "auto",
+                      "gpu_reduction", "reduce_scatter", "cpu_reduction"},
         PrecedenceKey{"chunk_bytes", "\"8KiB\"", "16384", "1G", "16MiB", "8KiB", "16KiB", "1GiB"},
         PrecedenceKey{"world_size", "2", "3", "4", "1", "2", "3", "4"},
         PrecedenceKey{"scale_by_world_size", "false", "true", "false", "true", "false", "true",

@@ -848,22 +848,16 @@ absl::StatusOr<slidedp::v1::AttachRankResponse> Engine::AttachRank(
                      " but the job's is ", have, "; the rank must build the same model as hostd"));
   }
   RETURN_IF_ERROR(ranks_.CheckAttachable(r.rank()));
-  // grad_route auto: the first rank to attach (none attached) decides; the others must match.
-  std::optional<RouteChoice> new_route;
+  // grad_route auto: the first rank to attach to the job with none attached chooses the route
+  // (applied below, once the attach is known to succeed); the ranks after it join that route.
+  std::optional<RouteChoice> chosen;
   if (job_->routes().grad_route() == slidedp::v1::GRAD_ROUTE_AUTO && !ranks_.AnyAttached()) {
-    RouteChoice c = ChooseGradRoute(slidedp::v1::GRAD_ROUTE_AUTO, job_->world_size(), r.rank(),
-                                    r.gpu(), static_cast<uint32_t>(topology_.gpus.size()));
-    if (c.route != route_.route) {
-      new_route = std::move(c);
-    } else {
-      route_ = std::move(c);  // the same route, chosen anew (for other ranks, another reason)
-    }
-  } else {
+    chosen = ChooseGradRoute(slidedp::v1::GRAD_ROUTE_AUTO, job_->world_size(), r.rank(), r.gpu(),
+                             static_cast<uint32_t>(topology_.gpus.size()));
+  } else if (absl::Status st = CheckRankDevice(route_, r.rank(), r.gpu()); !st.ok()) {
     // Warned, not refused: AttachRankRequest.gpu defaults to 0, so a client that never sets
     // it reads as a GPU rank; the rank library refuses a route it cannot run.
-    if (absl::Status st = CheckRankDevice(route_, r.rank(), r.gpu()); !st.ok()) {
-      spdlog::warn("{}", std::string(st.message()));
-    }
+    spdlog::warn("{}", std::string(st.message()));
   }
   ASSIGN_OR_RETURN(std::vector<uint32_t> client_layers,
                    client_.NormalizeSet(std::vector<uint32_t>(r.client_updated_layers().begin(),
@@ -902,19 +896,19 @@ absl::StatusOr<slidedp::v1::AttachRankResponse> Engine::AttachRank(
       }
     }
   }
-  if (new_route) {
+  if (chosen && chosen->route != route_.route) {
     GradientReducer::Route rr;
     std::vector<uint32_t> pushing;
-    ReducerRoute(new_route->route, job_->world_size(), &rr, &pushing);
+    ReducerRoute(chosen->route, job_->world_size(), &rr, &pushing);
     if (absl::Status st = reducer_->SetRoute(rr, std::move(pushing)); !st.ok()) {
       return absl::UnavailableError(
           absl::StrCat("grad_route auto: cannot switch the route now (", st.message(),
                        "); attach again once the aborted step has drained"));
     }
-    spdlog::info("grad_route auto: {} ({})", DescribeRouteChoice(*new_route),
-                 slidedp::v1::GradRoute_Name(new_route->route));
-    route_ = *std::move(new_route);
+    spdlog::info("grad_route auto: {} ({})", DescribeRouteChoice(*chosen),
+                 slidedp::v1::GradRoute_Name(chosen->route));
   }
+  if (chosen) route_ = *std::move(chosen);
   const std::string& token =
       ranks_.Attach(r.rank(), r.pid(), r.hostname(), r.gpu(), SteadyClock::now());
   shm::RankSlot& slot = state_->rank_slot(r.rank());

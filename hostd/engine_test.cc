@@ -95,6 +95,15 @@ class EngineTest : public ::testing::Test {
     return resp;
   }
 
+  grpc::Status Detach(uint32_t rank, const std::string& token) {
+    grpc::ClientContext ctx;
+    v1::DetachRankRequest d;
+    d.set_rank(rank);
+    d.set_attach_token(token);
+    v1::DetachRankResponse dr;
+    return stub_->DetachRank(&ctx, d, &dr);
+  }
+
   std::filesystem::path dir_;
   HostdConfig config_;
   std::unique_ptr<Engine> engine_;
@@ -1029,14 +1038,6 @@ TEST_F(EngineTest, CommIdsLiveWithRankZerosAttachmentAcrossAttachCycles) {
     *id = resp.unique_id();
     return s;
   };
-  auto detach = [&](uint32_t rank, const std::string& token) {
-    grpc::ClientContext ctx;
-    v1::DetachRankRequest d;
-    d.set_rank(rank);
-    d.set_attach_token(token);
-    v1::DetachRankResponse dr;
-    return stub_->DetachRank(&ctx, d, &dr);
-  };
   for (int cycle = 0; cycle < 3; ++cycle) {
     SCOPED_TRACE(cycle);
     const std::string t0 = Attach(0).attach_token();
@@ -1058,8 +1059,8 @@ TEST_F(EngineTest, CommIdsLiveWithRankZerosAttachmentAcrossAttachCycles) {
     EXPECT_EQ(got, id2);
     grpc::Status again = publish(t0, 1, id2);
     EXPECT_EQ(again.error_code(), grpc::StatusCode::ALREADY_EXISTS) << again.error_message();
-    ASSERT_TRUE(detach(1, t1).ok());
-    ASSERT_TRUE(detach(0, t0).ok());
+    ASSERT_TRUE(Detach(1, t1).ok());
+    ASSERT_TRUE(Detach(0, t0).ok());
   }
 }
 
@@ -1087,14 +1088,6 @@ TEST_F(EngineTest, GradRouteAutoFollowsWhatAttaches) {
     EXPECT_TRUE(stub_->GetStatus(&ctx, v1::GetStatusRequest(), &st).ok());
     return st.job();
   };
-  auto detach = [&](uint32_t rank, const std::string& token) {
-    grpc::ClientContext ctx;
-    v1::DetachRankRequest d;
-    d.set_rank(rank);
-    d.set_attach_token(token);
-    v1::DetachRankResponse dr;
-    ASSERT_TRUE(stub_->DetachRank(&ctx, d, &dr).ok());
-  };
   EXPECT_EQ(status().routes().grad_route(), v1::GRAD_ROUTE_AUTO);
   EXPECT_EQ(status().grad_route_choice(), "auto: chosen when the first rank attaches");
   for (int cycle = 0; cycle < 2; ++cycle) {
@@ -1105,16 +1098,16 @@ TEST_F(EngineTest, GradRouteAutoFollowsWhatAttaches) {
     EXPECT_THAT(status().grad_route_choice(), HasSubstr("auto: rank 0 attached first, on GPU 0"));
     v1::AttachRankResponse g1 = Attach(1, /*gpu=*/1);
     EXPECT_EQ(g1.layout().grad_route(), v1::GRAD_ROUTE_GPU_REDUCTION);
-    detach(0, g0.attach_token());
-    detach(1, g1.attach_token());
+    ASSERT_TRUE(Detach(0, g0.attach_token()).ok());
+    ASSERT_TRUE(Detach(1, g1.attach_token()).ok());
     // The job is left with no rank: CPU ranks attach next and get CPU reduction.
     v1::AttachRankResponse c1 = Attach(1, /*gpu=*/-1);
     EXPECT_EQ(c1.layout().grad_route(), v1::GRAD_ROUTE_CPU_REDUCTION);
     EXPECT_THAT(status().grad_route_choice(), HasSubstr("rank 1 attached first, on the CPU"));
     v1::AttachRankResponse c0 = Attach(0, /*gpu=*/-1);
     EXPECT_EQ(c0.layout().grad_route(), v1::GRAD_ROUTE_CPU_REDUCTION);
-    detach(0, c0.attach_token());
-    detach(1, c1.attach_token());
+    ASSERT_TRUE(Detach(0, c0.attach_token()).ok());
+    ASSERT_TRUE(Detach(1, c1.attach_token()).ok());
   }
 }
 

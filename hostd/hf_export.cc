@@ -470,7 +470,7 @@ absl::StatusOr<HfExportResult> ExportHf(const TrainingState& state, const HfExpo
   }
   if (shards.size() > 1) {
     OrderedJson index = {{"metadata", {{"total_size", result.tensor_bytes}}},
-                          {"weight_map", std::move(weight_map)}};
+                         {"weight_map", std::move(weight_map)}};
     RETURN_IF_ERROR(
         WriteTextFile(absl::StrCat(tmp, "/model.safetensors.index.json"), index.dump(2) + "\n"));
     result.files.push_back("model.safetensors.index.json");

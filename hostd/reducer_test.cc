@@ -626,6 +626,28 @@ TEST(GpuRouteTest, StreamedAndBufferedEqualPerLayerUpdate) {
   }
 }
 
+// SetRoute (hostd's grad_route auto, when the first rank attaches): a reducer made for
+// reduce-scatter over two ranks, switched to GPU reduction (rank 0 pushes every layer whole),
+// completes steps on that route alone -- on the old route it would wait for rank 1's shards.
+// Bad pushing ranks are refused naming the field, and the reducer keeps working.
+TEST(GpuRouteTest, SetRouteBetweenStepsTakesEffect) {
+  Rig::Options o;
+  o.world = 2;
+  Rig rig(o);
+  ASSERT_EQ(rig.parts, 2u);
+  absl::Status none = rig.reducer->SetRoute(GradientReducer::Route::kShards, {});
+  EXPECT_EQ(none.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(none.message()), HasSubstr("pushing_ranks"));
+  absl::Status beyond = rig.reducer->SetRoute(GradientReducer::Route::kShards, {0, 5});
+  EXPECT_EQ(beyond.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(beyond.message()), HasSubstr("pushing_ranks: rank 5 of world size 2"));
+  ASSERT_TRUE(rig.reducer->SetRoute(GradientReducer::Route::kShards, {0}).ok());
+  rig.parts = 1;
+  ASSERT_TRUE(rig.Run(2));
+  rig.ExpectMatchesReference();
+  EXPECT_TRUE(rig.Errors().empty());
+}
+
 // The same overlap on the GPU-reduction route (one pushing rank of two).
 TEST(GpuRouteTest, NextStepChunksWaitForArm) {
   for (Granularity g : {Granularity::kAuto, Granularity::kLayer}) {

@@ -1,23 +1,15 @@
 #include "hostd/route_choice.h"
 
+#include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/strip.h"
 
 namespace slidedp::hostd {
 namespace {
 
-const char* RouteName(slidedp::v1::GradRoute r) {
-  switch (r) {
-    case slidedp::v1::GRAD_ROUTE_CPU_REDUCTION:
-      return "cpu_reduction";
-    case slidedp::v1::GRAD_ROUTE_GPU_REDUCTION:
-      return "gpu_reduction";
-    case slidedp::v1::GRAD_ROUTE_REDUCE_SCATTER:
-      return "reduce_scatter";
-    case slidedp::v1::GRAD_ROUTE_AUTO:
-      return "auto";
-    default:
-      return "unspecified";
-  }
+// The config key's name of a route: GRAD_ROUTE_GPU_REDUCTION -> gpu_reduction.
+std::string RouteName(slidedp::v1::GradRoute r) {
+  return absl::AsciiStrToLower(absl::StripPrefix(slidedp::v1::GradRoute_Name(r), "GRAD_ROUTE_"));
 }
 
 }  // namespace

@@ -4,8 +4,8 @@
 // and one rank returns the aggregated gradient, which hostd applies chunk by chunk as it
 // arrives); a CPU rank gets CPU reduction (every rank pushes, hostd sums). The ranks that attach
 // after it join that route (one of the other kind is warned of: the request's gpu defaults to
-// 0, so a client that never sets it reads as a GPU rank). An explicit grad_route (config key, flag, a job spec) is
-// used as it is and only reported.
+// 0, so a client that never sets it reads as a GPU rank). An explicit grad_route (config key, flag,
+// a job spec) is used as it is and only reported.
 //
 // Several GPU ranks get GPU reduction when the machine has a GPU for each (NCCL needs one device
 // per rank); more ranks than the GPUs hostd sees (rank processes sharing a GPU, or GPUs hostd's

@@ -50,9 +50,10 @@ std::optional<SettingError> CheckRoutes(const Routes& r) {
                                            "; expected one of replicated, sharded"));
   }
   if (!slidedp::v1::GradRoute_IsValid(r.grad_route())) {
-    return Err("grad_route",
-               absl::StrCat("invalid value ", static_cast<int>(r.grad_route()),
-                            "; expected one of cpu_reduction, gpu_reduction, reduce_scatter, auto"));
+    return Err(
+        "grad_route",
+        absl::StrCat("invalid value ", static_cast<int>(r.grad_route()),
+                     "; expected one of cpu_reduction, gpu_reduction, reduce_scatter, auto"));
   }
   const uint64_t chunk = r.chunk_bytes();
   if (chunk < kMinChunkBytes || chunk > kMaxChunkBytes || chunk % 4096 != 0) {

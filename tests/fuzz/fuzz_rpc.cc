@@ -565,9 +565,9 @@ class Harness {
     int seen = 0;
     for (const v1::SegmentInfo& seg : st->segments()) {
       const Uint128 want = seg.kind() == v1::SEGMENT_KIND_CONTROL  ? f.control
-                        : seg.kind() == v1::SEGMENT_KIND_STATE  ? f.state
-                        : seg.kind() == v1::SEGMENT_KIND_PARAMS ? f.params
-                                                                : f.grads;
+                           : seg.kind() == v1::SEGMENT_KIND_STATE  ? f.state
+                           : seg.kind() == v1::SEGMENT_KIND_PARAMS ? f.params
+                                                                   : f.grads;
       if (Uint128{seg.size_bytes()} != want) {
         fprintf(stderr, "fuzz_rpc: segment %s is %llu bytes, the spec calls for %llu\n",
                 seg.name().c_str(), static_cast<unsigned long long>(seg.size_bytes()),
