@@ -719,7 +719,7 @@ class PythonClientTest(unittest.TestCase):
         from slidedp import preflight
         model = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32)
         layers = model.config.num_hidden_layers
-        per_sample = preflight.step_activation_bytes(model.config, 1, 16, layers, 0)
+        per_sample = preflight.layout_activation_bytes(model.config, 1, 16, [("F", 0.0)] * layers)
         model.train()
         model, opt = slidedp.attach(model, hostd=sock, device="cpu",
                                     memory_budget=int(per_sample * 3.5))

@@ -369,10 +369,6 @@ class StreamedRuntime(ResidentLayers):
             self.hooks.append(module.register_forward_hook(
                 lambda m, a, o, idxs=idxs: self._on_post(idxs, m, a, o)))
 
-    def _recomputes(self, pos):
-        """Whether decoder layer `pos` (forward order) replays anything in backward."""
-        return self.s["policies"][pos].kind != "N"
-
     def _wrap_decoder(self, module, idxs):
         # The fetch runs inside the checkpointed function, so the recompute in backward fetches
         # the layer again (module hooks may run outside a checkpoint, depending on the library).

@@ -70,15 +70,6 @@ def layout_activation_bytes(config, batch, seq, policies):
     return int(tokens * per_token)
 
 
-def step_activation_bytes(config, batch, seq, recomputed, kept, offloaded=0):
-    """Peak bytes a training step adds for `batch` x `seq` tokens with `recomputed` decoder layers
-    checkpointed and `kept` keeping their activations, `offloaded` of which keep them in host
-    memory instead."""
-    return layout_activation_bytes(
-        config, batch, seq, [("F", 0.0)] * recomputed + [("N", 1.0)] * offloaded +
-        [("N", 0.0)] * (kept - offloaded))
-
-
 def check_batch_fits(config, batch, seq, policies, available, device="cuda"):
     """Raises SlideDPError(RESOURCE_EXHAUSTED) naming the batch, the estimate, what is free and
     the largest batch that fits (with this layout and with full recompute). policies: one
