@@ -33,9 +33,14 @@ import traceback
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
-SYSTEMS = ["fsdp2", "fsdp2_offload", "deepspeed", "slidedp"]
+SYSTEMS = ["fsdp2", "fsdp2_offload", "deepspeed", "slidedp"]  # the default --systems
+# + anchor: shared/tools/anchor_baselines.py offload BATCH run as is (--anchor-script), the reference the
+# harness's fsdp2_offload must reproduce within ANCHOR_TOL in the same invocation
+ALL_SYSTEMS = SYSTEMS + ["anchor"]
+ANCHOR_TOL = 0.10
 # activation-checkpointing settings run per system (True = full-layer recompute)
-SETTINGS = {"fsdp2": [True, False], "fsdp2_offload": [True], "deepspeed": [True], "slidedp": [True, False]}
+SETTINGS = {"fsdp2": [True, False], "fsdp2_offload": [True], "deepspeed": [True], "slidedp": [True, False],
+            "anchor": [True]}
 RESULT_MARK = "HH2H_RESULT "
 FLOP_FORMULA = ("model_TFLOPS = tokens_per_s * (6 * nparam + 6 * L * h * seq) / 1e12, h = heads * head_dim; "
                 "dense + causal attention, forward + backward, recompute not counted "
@@ -77,14 +82,19 @@ def flops_per_token(nparam, cfg, seq):
 # ----------------------------------------------------------------------------------------------
 # child: one (system, ckpt, batch) run
 # ----------------------------------------------------------------------------------------------
-def _mark_phase(name):
+def _mark_phase(name, ack_wait_s=0.0):
+    """Tell the parent's sampler the phase; with ack_wait_s, wait (at most that long) until it has taken
+    the sample that phase asks for (PATH.NAME appears)."""
     path = os.environ.get("HH2H_PHASE_FILE")
     if path:
         try:
             with open(path, "w") as f:
                 f.write(name)
         except OSError:
-            pass
+            return
+        end = time.monotonic() + ack_wait_s
+        while time.monotonic() < end and not os.path.exists(f"{path}.{name}"):
+            time.sleep(0.02)
 
 
 def _is_oom(e):
@@ -96,8 +106,13 @@ def _is_oom(e):
 
 
 def _train_begins(name="train"):
-    """Called when the first warmup step starts: GPU peaks are reported from here on (the setup peak is
-    kept apart), host memory samples from here on count as the training phase."""
+    """mark_phase of the runners. "train": called when the first warmup step starts: GPU peaks are
+    reported from here on (the setup peak is kept apart), host memory samples from here on count as the
+    training phase. "measured": called right after the last measured step, before anything is torn down
+    (hostd still up): the parent takes its PSS sample of the process tree then, and we wait for it."""
+    if name == "measured":
+        _mark_phase(name, ack_wait_s=30.0)
+        return
     if name == "train":
         try:
             import torch
@@ -127,21 +142,24 @@ def _timed_loop(step, warmup, steps, sync):
         loss = step()
         sync()
         times.append(time.perf_counter() - t0)
+    _train_begins("measured")
     return times, float(loss.detach().float().item())
 
 
-def _build_hf_model(cfg, seed, ckpt, dev, to_cpu):
+def _build_hf_model(cfg, seed, ckpt, init_dev, place=None):
+    """HF random init under `with torch.device(init_dev)` from `seed`, then `.to(place)` when given.
+    Offload systems build on the CPU and stay there, as anchor_baselines.py does: a 16 GB fp32 model
+    built on the GPU and moved over leaves other host memory (pageable copies, their NUMA placement)
+    and GPU allocator state than the anchor's, and its step time did not reproduce the anchor's.
+    The GPU-resident fsdp2 builds on the CPU too (then moves to the GPU) unless --init-device gpu:
+    CPU and CUDA generators differ, so only one init device keeps the weights and losses identical."""
     import torch
     from transformers import AutoModelForCausalLM
     torch.manual_seed(seed)
-    # every torch system initialises on `dev` (the GPU: fast) from the same seed, so the weights are
-    # identical across systems and the last-step losses comparable; offload systems then move the
-    # fp32 model to the CPU, as if built there
-    with torch.device(dev):
+    with torch.device(init_dev):
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-    if to_cpu and dev != "cpu":
-        model.to("cpu")
-        torch.cuda.empty_cache()
+    if place and place != init_dev:
+        model.to(place)
     if ckpt:
         import warnings
         with warnings.catch_warnings():
@@ -151,11 +169,12 @@ def _build_hf_model(cfg, seed, ckpt, dev, to_cpu):
     return model
 
 
-def run_fsdp2(cfg, batch, seq, steps, warmup, ckpt, dev, dry_run, seed, x, offload):
+def run_fsdp2(cfg, batch, seq, steps, warmup, ckpt, dev, dry_run, seed, x, offload, init_dev="cpu"):
     import torch
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard, MixedPrecisionPolicy, CPUOffloadPolicy
-    model = _build_hf_model(cfg, seed, ckpt, dev, to_cpu=offload)
+    init_dev = "cpu" if offload else init_dev
+    model = _build_hf_model(cfg, seed, ckpt, init_dev, place=None if offload else dev)
     nparam = sum(p.numel() for p in model.parameters())
     mesh = init_device_mesh(dev, (1,))
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -182,6 +201,7 @@ def run_fsdp2(cfg, batch, seq, steps, warmup, ckpt, dev, dry_run, seed, x, offlo
                 "mp_policy": "param_dtype bf16, reduce_dtype fp32", "master_weights": "fp32",
                 "optimizer": f"torch.optim.AdamW(fused=True, lr={LR}, betas={BETAS}, eps={EPS}, weight_decay={WD})",
                 "offload_policy": f"CPUOffloadPolicy(pin_memory={pin})" if offload else None,
+                "init_device": init_dev,
                 "activation_checkpointing": "HF gradient_checkpointing_enable() (transformers default kwargs)"
                 if ckpt else None}
     return {"nparam": nparam, "step_times": times, "loss": loss, "settings": settings}
@@ -226,7 +246,7 @@ def run_deepspeed(cfg, batch, seq, steps, warmup, ckpt, dev, dry_run, seed, x, e
         from deepspeed.ops.adam import DeepSpeedCPUAdam
     except Exception as e:  # noqa: BLE001
         raise _Unavailable(f"import deepspeed failed: {type(e).__name__}: {e}") from e
-    model = _build_hf_model(cfg, seed, ckpt, dev, to_cpu=True)
+    model = _build_hf_model(cfg, seed, ckpt, "cpu")  # offload: built on the CPU, as the anchor
     nparam = sum(p.numel() for p in model.parameters())
     try:
         opt = DeepSpeedCPUAdam(model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, adamw_mode=True)
@@ -246,6 +266,7 @@ def run_deepspeed(cfg, batch, seq, steps, warmup, ckpt, dev, dry_run, seed, x, e
     times, loss = _timed_loop(step, warmup, steps, sync)
     settings = {"deepspeed_version": deepspeed.__version__, "ds_config": conf,
                 "optimizer": f"DeepSpeedCPUAdam(adamw_mode=True, lr={LR}, betas={BETAS}, eps={EPS}, weight_decay={WD})",
+                "init_device": "cpu",
                 "activation_checkpointing": "HF gradient_checkpointing_enable() (transformers default kwargs)"
                 if ckpt else None,
                 "deepspeed_path": os.path.dirname(os.path.dirname(os.path.abspath(deepspeed.__file__)))}
@@ -315,7 +336,7 @@ def child_main(args):
             raise torch.OutOfMemoryError(f"HH2H_TEST_OOM_BATCH={fake}: simulated out of memory")
         common = (cfg, batch, seq, args.steps, args.warmup, ckpt, dev, dry, args.seed, x)
         if system == "fsdp2":
-            out = run_fsdp2(*common, offload=False)
+            out = run_fsdp2(*common, offload=False, init_dev="cpu" if dry or args.init_device == "cpu" else "cuda")
         elif system == "fsdp2_offload":
             out = run_fsdp2(*common, offload=True)
         elif system == "deepspeed":
@@ -426,19 +447,41 @@ def _smaps_rollup(pid):
     return out
 
 
-class TreeSampler(threading.Thread):
-    """Samples RSS/PSS (smaps_rollup) of a process, its descendants and the pids listed in pid_file
-    (plus their descendants) every `period` s; GPU memory used (device-wide) through pynvml or
-    nvidia-smi every `gpu_period` s when asked."""
+def _status_rss(pid):
+    """VmRSS and its parts from /proc/PID/status, kB: the kernel's per-mm counters, read without walking
+    the page tables (smaps_rollup walks all of them under mmap_lock: tens of ms for a process holding
+    tens of GB, contending with its mmap/munmap, page faults and pinning while it trains)."""
+    out = {}
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for ln in f:
+                if ln.startswith(("VmRSS:", "RssAnon:", "RssFile:", "RssShmem:")):
+                    k, v = ln.split()[:2]
+                    out["Rss" if k == "VmRSS:" else k[:-1]] = int(v)
+    except (OSError, ValueError):
+        return None
+    return out or None
 
-    def __init__(self, root, pid_file, phase_file, period=0.2, gpu=False, gpu_period=1.0):
+
+class TreeSampler(threading.Thread):
+    """Samples host memory of a process, its descendants and the pids listed in pid_file (plus their
+    descendants): RSS (/proc/PID/status counters, cheap) every `period` s for the whole life; PSS
+    (smaps_rollup, a page-table walk) only outside the training phase, every `pss_period` s (0: never),
+    and once when the child marks the phase "measured" (right after its last measured step, before
+    teardown; it waits for that sample). GPU memory used (device-wide) through pynvml every `gpu_period`
+    s, or nvidia-smi every 5 s when pynvml is missing, when asked."""
+
+    def __init__(self, root, pid_file, phase_file, period=0.2, gpu=False, gpu_period=1.0, pss_period=5.0):
         super().__init__(daemon=True)
         self.root, self.pid_file, self.phase_file, self.period = root, pid_file, phase_file, period
+        self.pss_period = pss_period
         self.stop_evt = threading.Event()
-        self.peak = {}        # key -> max over samples of the tree's sum, kB
+        self.peak = {}        # key -> max over samples of the tree's sum, kB (Rss*: status; Pss*: smaps_rollup)
         self.peak_train = {}  # the same while the child's phase is "train"
+        self.measured = {}    # the smaps_rollup sums taken at phase "measured"
         self.max_procs = 0
         self.samples = 0
+        self.pss_samples = 0
         self.gpu = gpu
         self.gpu_period = gpu_period
         self.gpu_peak_mib = None
@@ -485,50 +528,80 @@ class TreeSampler(threading.Thread):
             return None
         return None
 
+    def _tree(self):
+        kids = _children_map()
+        todo = [self.root] + self._extra_pids()
+        seen = set()
+        while todo:
+            p = todo.pop()
+            if p in seen:
+                continue
+            seen.add(p)
+            todo.extend(kids.get(p, []))
+        return seen
+
+    def _sum(self, pids, read):
+        tot, n = {}, 0
+        for p in pids:
+            r = read(p)
+            if r is None:
+                continue
+            n += 1
+            for k, v in r.items():
+                tot[k] = tot.get(k, 0) + v
+        return tot, n
+
+    def _add(self, tot, train):
+        for k, v in tot.items():
+            self.peak[k] = max(self.peak.get(k, 0), v)
+            if train:
+                self.peak_train[k] = max(self.peak_train.get(k, 0), v)
+
     def run(self):
-        next_gpu = 0.0
+        next_gpu = next_pss = next_tree = 0.0
+        tree = set()
         while not self.stop_evt.is_set():
             t0 = time.monotonic()
-            kids = _children_map()
-            todo = [self.root] + self._extra_pids()
-            seen = set()
-            while todo:
-                p = todo.pop()
-                if p in seen:
-                    continue
-                seen.add(p)
-                todo.extend(kids.get(p, []))
-            tot = {}
-            n = 0
-            for p in seen:
-                r = _smaps_rollup(p)
-                if r is None:
-                    continue
-                n += 1
-                for k, v in r.items():
-                    tot[k] = tot.get(k, 0) + v
+            phase = self._phase()
+            if t0 >= next_tree or phase == "measured":  # scanning /proc for the tree: every second is enough
+                tree, next_tree = self._tree(), t0 + 1.0
+            tot, n = self._sum(tree, _status_rss)
             if n:
                 self.samples += 1
                 self.max_procs = max(self.max_procs, n)
-                train = self._phase() == "train"
-                for k, v in tot.items():
-                    self.peak[k] = max(self.peak.get(k, 0), v)
-                    if train:
-                        self.peak_train[k] = max(self.peak_train.get(k, 0), v)
+                self._add(tot, phase == "train")
+            if phase == "measured" and not self.measured:
+                self.measured, _ = self._sum(tree, _smaps_rollup)
+                self.measured = self.measured or {"none": 0}
+                self.pss_samples += 1
+                self._add({k: v for k, v in self.measured.items() if k.startswith("Pss")}, False)
+                try:
+                    open(self.phase_file + ".measured", "w").close()
+                except OSError:
+                    pass
+            elif phase not in ("train", "measured") and self.pss_period > 0 and t0 >= next_pss:
+                next_pss = t0 + self.pss_period
+                tot, n = self._sum(tree, _smaps_rollup)
+                if n:
+                    self.pss_samples += 1
+                    self._add({k: v for k, v in tot.items() if k.startswith("Pss")}, False)
             if self.gpu and t0 >= next_gpu:
-                next_gpu = t0 + self.gpu_period
                 u = self._gpu_used_mib()
+                next_gpu = t0 + (self.gpu_period if self._nvml else max(self.gpu_period, 5.0))
                 if u is not None:
                     self.gpu_peak_mib = u if self.gpu_peak_mib is None else max(self.gpu_peak_mib, u)
             self.stop_evt.wait(max(0.0, self.period - (time.monotonic() - t0)))
 
     def result(self):
         g = lambda d, k: round(d[k] / 2 ** 20, 3) if k in d else None  # noqa: E731  kB -> GiB
-        out = {"host_rss_peak_GiB": g(self.peak, "Rss"), "host_pss_peak_GiB": g(self.peak, "Pss"),
-               "host_pss_shmem_peak_GiB": g(self.peak, "Pss_Shmem"),
+        out = {"host_rss_peak_GiB": g(self.peak, "Rss"), "host_rss_shmem_peak_GiB": g(self.peak, "RssShmem"),
                "host_rss_peak_train_GiB": g(self.peak_train, "Rss"),
-               "host_pss_peak_train_GiB": g(self.peak_train, "Pss"),
-               "host_mem_samples": self.samples, "host_mem_max_procs": self.max_procs}
+               "host_pss_peak_GiB": g(self.peak, "Pss"), "host_pss_shmem_peak_GiB": g(self.peak, "Pss_Shmem"),
+               "host_pss_measured_GiB": g(self.measured, "Pss"),
+               "host_pss_shmem_measured_GiB": g(self.measured, "Pss_Shmem"),
+               "host_rss_measured_GiB": g(self.measured, "Rss"),
+               "host_mem_samples": self.samples, "host_pss_samples": self.pss_samples,
+               "host_mem_max_procs": self.max_procs}
         if self.gpu:
             out["gpu_used_device_peak_GiB"] = (round(self.gpu_peak_mib / 1024, 3)
                                                if self.gpu_peak_mib is not None else None)
@@ -603,8 +676,74 @@ def _read_result(result_file, stdout_file):
     return None
 
 
+def anchor_unavailable(args, machine):
+    """Why the anchor cannot run here (None: it can): its script is missing, or there is no GPU (it
+    needs CUDA and NCCL; HH2H_ANCHOR_FORCE=1, a test hook, runs a stand-in script anyway)."""
+    if not os.path.isfile(args.anchor_script):
+        return f"anchor script {args.anchor_script} not found (--anchor-script; copy shared/tools/anchor_baselines.py)"
+    if not (machine or {}).get("gpu") and os.environ.get("HH2H_ANCHOR_FORCE") != "1":
+        return "the anchor script needs a CUDA GPU (none here)"
+    return None
+
+
+def parse_anchor_output(text, batch):
+    """anchor_baselines.py prints one JSON line per measurement: {"what": "cpu_triad_GBps", "value"} and
+    {"what": "offload" | "offload-nockpt", "batch", "seq", "step_s" (mean of 5 steps after 3 warmup,
+    one sync at the end), "tokens_per_s", "model_TFLOPS", "peak_reserved_GiB", "loss"} -> a run
+    record's fields, or None without the offload line."""
+    rec, found = {}, None
+    for ln in text.splitlines():
+        ln = ln.strip()
+        if not ln.startswith("{"):
+            continue
+        try:
+            d = json.loads(ln)
+        except ValueError:
+            continue
+        if d.get("what") == "cpu_triad_GBps":
+            rec["cpu_triad_GBps"] = d.get("value")
+        elif str(d.get("what", "")).startswith("offload") and d.get("step_s"):
+            found = d
+    if found is None:
+        return None
+    if int(found.get("batch", batch)) != batch:
+        raise ValueError(f"anchor measured batch {found.get('batch')}, asked for {batch}")
+    rec.update(status="ok", anchor_output=found, step_s=float(found["step_s"]), step_s_mean=float(found["step_s"]),
+               seq=int(found.get("seq", 1024)), loss=found.get("loss"),
+               peak_gpu_reserved_GiB=found.get("peak_reserved_GiB"))
+    return rec
+
+
+def anchor_record(out_path, err_path, rc, system, ckpt, batch, seq):
+    rec = {"system": system, "ckpt": ckpt, "batch": batch, "seq": seq}
+    try:
+        with open(out_path, errors="replace") as f:
+            got = parse_anchor_output(f.read(), batch)
+    except (OSError, ValueError) as e:
+        got, rec["why"] = None, f"{type(e).__name__}: {e}"
+    if got:
+        rec.update(got)
+        rec["settings"] = {"what": "shared/tools/anchor_baselines.py offload BATCH, run as is: FSDP2 + "
+                                   "CPUOffloadPolicy(pin_memory=True), built on the CPU, fused AdamW (default "
+                                   "hyperparameters but lr 1e-5), 3 warmup + 5 timed steps; step_s is their mean"}
+        return rec
+    err = _tail(err_path, 2000)
+    oom = "out of memory" in err.lower()
+    if rc == -signal.SIGKILL:
+        rec.update(where="host", why="killed by SIGKILL without a result (presumably the kernel OOM killer)")
+    rec.update(status="oom" if oom or rc == -signal.SIGKILL else "error", stderr_tail=err)
+    rec.setdefault("why", "out of memory" if oom else f"no offload line in the anchor's output (exit {rc})")
+    return rec
+
+
 def launch(args, system, ckpt, batch, log_dir, timeout, extra_opts=()):
     tag = f"{system}_{'ckpt' if ckpt else 'nockpt'}_b{batch}"
+    if system == "anchor":
+        why = anchor_unavailable(args, getattr(args, "machine", None))
+        if why:
+            print(f"[hh2h] {tag}: unavailable {why}", file=sys.stderr, flush=True)
+            return {"system": system, "ckpt": ckpt, "batch": batch, "seq": 1024, "status": "unavailable",
+                    "why": why, "skip_rest": True, "variant": ""}
     if extra_opts:
         tag += "_" + re.sub(r"[^A-Za-z0-9.=_-]", "_", "_".join(extra_opts))
     tmp = tempfile.mkdtemp(prefix=f"hh2h-{tag}-")
@@ -617,12 +756,20 @@ def launch(args, system, ckpt, batch, log_dir, timeout, extra_opts=()):
     env = child_env(args, system)
     env["HH2H_PID_FILE"] = pid_file
     env["HH2H_PHASE_FILE"] = phase_file
-    cmd = child_cmd(args, system, ckpt, batch, result_file, extra_opts)
+    if system == "anchor":  # the script itself, nothing of ours in its process (same env as our children)
+        cmd = [sys.executable, os.path.abspath(args.anchor_script), "offload", str(batch)]
+        env.pop("NO_CKPT", None)
+        if not ckpt:
+            env["NO_CKPT"] = "1"
+    else:
+        cmd = child_cmd(args, system, ckpt, batch, result_file, extra_opts)
     print(f"[hh2h] {tag}: start (timeout {timeout:.0f} s)", file=sys.stderr, flush=True)
     t0 = time.time()
     with open(out_path, "w") as fo, open(err_path, "w") as fe:
         proc = subprocess.Popen(cmd, stdout=fo, stderr=fe, env=env, cwd=REPO, start_new_session=True)
-        sampler = TreeSampler(proc.pid, pid_file, phase_file, period=args.sample_period, gpu=not args.dry_run)
+        # the anchor marks no phases: no PSS walk of it at all (only the cheap RSS counters)
+        sampler = TreeSampler(proc.pid, pid_file, phase_file, period=args.sample_period, gpu=not args.dry_run,
+                              pss_period=0 if system == "anchor" else args.pss_period)
         sampler.start()
         timed_out = False
         try:
@@ -635,7 +782,8 @@ def launch(args, system, ckpt, batch, log_dir, timeout, extra_opts=()):
             sampler.stop_evt.set()
             sampler.join(timeout=10)
     wall = time.time() - t0
-    rec = _read_result(result_file, out_path)
+    rec = (anchor_record(out_path, err_path, rc, system, ckpt, batch, args.seq) if system == "anchor" and
+           not timed_out else _read_result(result_file, out_path))
     if rec is None:
         rec = {"system": system, "ckpt": ckpt, "batch": batch, "seq": args.seq}
         if timed_out:
@@ -702,6 +850,7 @@ def _kill_tree(proc):
 def derive(rec, nparam, cfgd, seq):
     if rec.get("status") != "ok" or not rec.get("step_s"):
         return rec
+    seq = rec.get("seq") or seq  # the anchor's own (1024 always)
     tok = rec["batch"] * seq
     rec["tokens_per_step"] = tok
     rec["tokens_per_s"] = tok / rec["step_s"]
@@ -757,7 +906,35 @@ def compute_ratios(runs, batches):
     out["slidedp_over_deepspeed"] = [row(("slidedp", c, b), ("deepspeed", True, b),
                                          {"slidedp_ckpt": c, "deepspeed_ckpt": True, "batch": b})
                                      for c in (True, False) for b in batches]
+    out["fsdp2_offload_over_anchor"] = anchor_agreement(runs)
     return out
+
+
+def anchor_agreement(runs):
+    """fsdp2_offload's step time over the anchor script's, per (ckpt, batch) where an anchor record exists;
+    both are means of the measured steps (the anchor times 5 steps as one span). The harness must
+    reproduce the anchor within ANCHOR_TOL in the same run, else its offload ratios are not trusted."""
+    last = {}
+    for r in runs:  # the last ok record of each (system, ckpt, batch), else the last one
+        k = (r["system"], bool(r["ckpt"]), int(r["batch"]))
+        if r.get("status") == "ok" or last.get(k, {}).get("status") != "ok":
+            last[k] = r
+    rows = []
+    for (system, c, b), a in sorted(last.items(), key=lambda kv: (not kv[0][1], kv[0][2])):
+        if system != "anchor":
+            continue
+        f = last.get(("fsdp2_offload", c, b), {})
+        row = {"ckpt": c, "batch": b, "anchor_step_s": a.get("step_s"),
+               "fsdp2_offload_step_s_mean": f.get("step_s_mean"), "fsdp2_offload_step_s": f.get("step_s"),
+               "tolerance": ANCHOR_TOL}
+        if a.get("status") == "ok" and f.get("status") == "ok" and a.get("step_s") and f.get("step_s_mean"):
+            row["ratio"] = f["step_s_mean"] / a["step_s"]
+            row["within_tolerance"] = abs(row["ratio"] - 1) <= ANCHOR_TOL
+        else:
+            row.update(ratio=None, within_tolerance=None,
+                       why=f"anchor: {a.get('status')}, fsdp2_offload: {f.get('status', 'not run')}")
+        rows.append(row)
+    return rows
 
 
 def write_png(report, path):
@@ -772,13 +949,14 @@ def write_png(report, path):
     for r in runs:
         series.setdefault((r["system"], bool(r["ckpt"])), []).append(r)
     fig, ax = plt.subplots(figsize=(9, 5.5))
-    colors = {"fsdp2": "tab:blue", "fsdp2_offload": "tab:orange", "deepspeed": "tab:green", "slidedp": "tab:red"}
+    colors = {"fsdp2": "tab:blue", "fsdp2_offload": "tab:orange", "deepspeed": "tab:green", "slidedp": "tab:red",
+              "anchor": "black"}
     ymax = max([r.get("tokens_per_s") or 0 for r in runs] + [1])
     batches = sorted({int(r["batch"]) for r in runs})
     notes = []
     n_oom_rows = 0
-    for (system, ckpt), rs in (sorted(series.items(), key=lambda kv: (SYSTEMS.index(kv[0][0])
-                                                                     if kv[0][0] in SYSTEMS else 99, not kv[0][1]))):
+    for (system, ckpt), rs in (sorted(series.items(), key=lambda kv: (ALL_SYSTEMS.index(kv[0][0])
+                                                                     if kv[0][0] in ALL_SYSTEMS else 99, not kv[0][1]))):
         rs = sorted(rs, key=lambda r: r["batch"])
         label = f"{system} ({'ckpt' if ckpt else 'no ckpt'})"
         style = "-" if ckpt else "--"
@@ -945,8 +1123,8 @@ def parse_run_spec(spec):
     if len(parts) < 3:
         raise SystemExit(f"--run {spec!r}: expected SYSTEM:on|off:BATCH[:KEY=VALUE,...]")
     system, ckpt, batch = parts[0], parts[1], parts[2]
-    if system not in SYSTEMS:
-        raise SystemExit(f"--run {spec!r}: unknown system {system!r}; choose from {','.join(SYSTEMS)}")
+    if system not in ALL_SYSTEMS:
+        raise SystemExit(f"--run {spec!r}: unknown system {system!r}; choose from {','.join(ALL_SYSTEMS)}")
     if ckpt not in ("on", "off"):
         raise SystemExit(f"--run {spec!r}: checkpointing must be on or off, got {ckpt!r}")
     if not batch.isdigit() or int(batch) < 1:
@@ -966,8 +1144,8 @@ def parent_main(args):
         return 0
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     for s in systems:
-        if s not in SYSTEMS:
-            raise SystemExit(f"unknown system {s!r}; choose from {','.join(SYSTEMS)}")
+        if s not in ALL_SYSTEMS:
+            raise SystemExit(f"unknown system {s!r}; choose from {','.join(ALL_SYSTEMS)}")
     plan = [parse_run_spec(spec) for spec in args.run]  # a bad spec fails before anything is written
     batches = sorted({int(b) for b in args.batches.split(",") if b.strip()})
     ckpt_filter = {"both": (True, False), "on": (True,), "off": (False,)}[args.ckpt]
@@ -981,10 +1159,12 @@ def parent_main(args):
     if args.ds_path is None:
         cand = os.path.join(REPO, ".carry", "ds_site")
         args.ds_path = cand if os.path.isdir(cand) else ""
+    if args.ds_path:  # pynvml (nvidia-ml-py) for the GPU sampler, when only that folder has it; last on the path
+        sys.path.append(args.ds_path)
 
     t_begin = time.time()
     print("[hh2h] probing the machine", file=sys.stderr, flush=True)
-    machine = machine_info(args.dry_run)
+    machine = args.machine = machine_info(args.dry_run)
     cfg = model_config_dict(args.dry_run)
     nparam = machine.get("nparam")
     report = {
@@ -1010,11 +1190,22 @@ def parent_main(args):
                                                               "child process from the first warmup step on (stats "
                                                               "reset after model setup; *_setup_GiB: before that)",
             "gpu_used_device_peak_GiB": "device-wide used memory (pynvml or nvidia-smi, 1 s samples), all processes",
-            "host_rss_peak_GiB / host_pss_peak_GiB": f"max over {args.sample_period} s samples of the sum over the "
-                                                     "child's process tree (plus pids a runner names) of "
-                                                     "smaps_rollup Rss / Pss; whole life of the child",
-            "host_*_peak_train_GiB": "the same, only samples taken after the first warmup step began",
-            "loss": "loss of the last measured step (same init and batch for the torch systems)",
+            "host_rss_peak_GiB": f"max over {args.sample_period} s samples of the sum over the child's process "
+                                 "tree (plus pids a runner names) of /proc/PID/status VmRSS (kernel counters, no "
+                                 "page-table walk); whole life of the child; host_rss_shmem_peak_GiB: RssShmem",
+            "host_rss_peak_train_GiB": "the same, only samples from the first warmup step to the last measured one",
+            "host_pss_measured_GiB": "sum over the same tree of smaps_rollup Pss, taken once right after the last "
+                                     "measured step (the child waits for it; hostd still up): the training "
+                                     "footprint to compare when processes share memory; *_shmem_*: Pss_Shmem; "
+                                     "host_rss_measured_GiB: smaps_rollup Rss of that sample",
+            "host_pss_peak_GiB": f"max over the PSS samples: every {args.pss_period} s outside the training phase "
+                                 "(none during the warmup and measured steps: a walk of a process holding tens of "
+                                 "GB contends with its mmap/munmap and pinning) and the one after the measured "
+                                 "steps; null for the anchor (never walked)",
+            "loss": "loss of the last measured step (same CPU-built init and batch for the torch systems but "
+                    "--init-device gpu's fsdp2; slidedp: hostd's own init; anchor: unseeded torch default)",
+            "fsdp2_offload_over_anchor": "ratios: fsdp2_offload step_s_mean / anchor step_s (both means of 5 steps "
+                                         f"after 3 warmup); must be within {ANCHOR_TOL:.0%} in the same run",
         },
         "settings": {"fsdp2": "GPU-resident FSDP2 (fully_shard per layer + root), bf16 params / fp32 reduce, "
                               "fp32 master + torch fused AdamW on the GPU; ckpt on and off",
@@ -1023,9 +1214,18 @@ def parent_main(args):
                      "deepspeed": "ZeRO-Offload: ZeRO stage 2, offload_optimizer cpu (pinned), DeepSpeedCPUAdam, "
                                   "bf16; ckpt on",
                      "slidedp": "bench/hf_head_to_head/slidedp_runner.py run_slidedp(); ckpt on and off",
+                     "anchor": f"{args.anchor_script} offload BATCH (NO_CKPT=1 for ckpt off), run as is in the "
+                               "same environment as the other children",
+                     "init": "HF random init from torch.manual_seed(seed) under torch.device('cpu') for every "
+                             "torch system (offload ones stay there, as the anchor builds; fsdp2 then moves to the "
+                             "GPU)" if args.init_device == "cpu" else
+                             "offload systems on the CPU (as the anchor), fsdp2 on the GPU: its weights and loss "
+                             "differ from theirs",
                      "optimizer_hparams": {"lr": LR, "weight_decay": WD, "betas": BETAS, "eps": EPS},
                      "deepspeed_pythonpath": args.ds_path or None,
-                     "torch_num_threads": "os.cpu_count() in every child",
+                     "torch_num_threads": "os.cpu_count() in every child (as the anchor); OMP_NUM_THREADS "
+                                          "and torchrun variables removed from the children's environment",
+                     "host_memory_sampling": {"rss_period_s": args.sample_period, "pss_period_s": args.pss_period},
                      "ckpt": "HF model.gradient_checkpointing_enable() with transformers' default kwargs"},
         "runs": [],
     }
@@ -1084,10 +1284,27 @@ def summary_table(report):
                      f"{(r.get('status') or '?') + ('*' if r.get('skipped') else ''):<11} "
                      f"{f(r.get('step_s'), '%.3f'):>8} {f(r.get('tokens_per_s'), '%.0f'):>9} "
                      f"{f(r.get('model_TFLOPS'), '%.1f'):>7} {f(r.get('peak_gpu_reserved_GiB'), '%.1f'):>7} "
-                     f"{f(r.get('host_rss_peak_GiB'), '%.2f'):>8} {f(r.get('host_pss_peak_GiB'), '%.2f'):>8} "
+                     f"{f(r.get('host_rss_peak_GiB'), '%.2f'):>8} "
+                     f"{f(r.get('host_pss_measured_GiB', r.get('host_pss_peak_GiB')), '%.2f'):>8} "
                      f"{f(r.get('loss'), '%.4f'):>8} {r.get('variant') or ''}")
-    rb = report.get("ratios", {}).get("slidedp_best_over_fsdp2_best", {})
+    ratios = report.get("ratios", {})
+    rb = ratios.get("slidedp_best_over_fsdp2_best", {})
     lines.append(f"slidedp-best / fsdp2-best: {rb.get('ratio')}")
+    for a in ratios.get("fsdp2_offload_over_anchor", []):
+        tag = f"{'ckpt' if a['ckpt'] else 'nockpt'} b{a['batch']}"
+        if a["ratio"] is None:
+            lines.append(f"AGREEMENT fsdp2_offload / anchor step time ({tag}): n/a ({a.get('why')})")
+        else:
+            lines.append(f"AGREEMENT fsdp2_offload / anchor step time ({tag}): {a['ratio']:.3f} "
+                         f"({a['fsdp2_offload_step_s_mean']:.3f} s / {a['anchor_step_s']:.3f} s) "
+                         + ("within" if a["within_tolerance"] else "FLAG: off by more than")
+                         + f" {a['tolerance']:.0%}")
+    for key, other in (("slidedp_over_deepspeed", "deepspeed"), ("slidedp_over_fsdp2_offload", "fsdp2_offload")):
+        for r in ratios.get(key, []):
+            if r.get("ratio") is not None:
+                lines.append(f"RATIO slidedp / {other} tokens/s ({'ckpt' if r['slidedp_ckpt'] else 'nockpt'} "
+                             f"b{r['batch']}{', ' + r['slidedp_variant'] if r.get('slidedp_variant') else ''}): "
+                             f"{r['ratio']:.3f}")
     return "\n".join(lines)
 
 
@@ -1101,11 +1318,11 @@ def merge_main(args):
     for rep in reports:  # a later file's record of the same (system, ckpt, batch) replaces an earlier one
         for r in rep["runs"]:
             runs[(r["system"], bool(r["ckpt"]), int(r["batch"]))] = r
-    order = lambda k: (SYSTEMS.index(k[0]) if k[0] in SYSTEMS else 99, not k[1], k[2])  # noqa: E731
+    order = lambda k: (ALL_SYSTEMS.index(k[0]) if k[0] in ALL_SYSTEMS else 99, not k[1], k[2])  # noqa: E731
     base["runs"] = [runs[k] for k in sorted(runs, key=order)]
     base["batches"] = sorted({int(r["batch"]) for r in base["runs"]})
-    base["systems"] = sorted({r["system"] for r in base["runs"]}, key=lambda s: SYSTEMS.index(s)
-                             if s in SYSTEMS else 99)
+    base["systems"] = sorted({r["system"] for r in base["runs"]}, key=lambda s: ALL_SYSTEMS.index(s)
+                             if s in ALL_SYSTEMS else 99)
     base["merged_from"] = [{"file": os.path.abspath(p), "command": rep.get("command"),
                             "start_time": rep.get("start_time"), "git": rep.get("git"),
                             "hostname": rep.get("machine", {}).get("hostname")}
@@ -1139,7 +1356,17 @@ def main():
     ap.add_argument("--timeout", type=float, default=None, help="seconds per run (default 900; dry-run 300)")
     ap.add_argument("--budget-s", type=float, default=None,
                     help="stop launching runs after this many seconds (the rest are recorded not_run)")
-    ap.add_argument("--sample-period", type=float, default=0.2, help="host-memory sampling period, s")
+    ap.add_argument("--sample-period", type=float, default=0.2,
+                    help="host RSS sampling period, s (/proc/PID/status counters)")
+    ap.add_argument("--pss-period", type=float, default=5.0,
+                    help="host PSS (smaps_rollup page-table walk) period outside the training phase, s; 0: only "
+                         "the sample right after the measured steps")
+    ap.add_argument("--init-device", choices=["cpu", "gpu"], default="cpu",
+                    help="where the GPU-resident fsdp2 builds its model (offload systems always build on the CPU, "
+                         "as the anchor): cpu keeps every torch system's weights identical, gpu is faster")
+    ap.add_argument("--anchor-script", default=os.path.join(REPO, ".carry", "anchor_baselines.py"),
+                    help="shared/tools/anchor_baselines.py, run as system anchor (default REPO/.carry/"
+                         "anchor_baselines.py)")
     ap.add_argument("--dry-run", action="store_true", help="tiny Qwen3 on the CPU with gloo")
     ap.add_argument("--ds-path", default=None,
                     help="directory put on PYTHONPATH of the deepspeed children only (install_deepspeed.sh "

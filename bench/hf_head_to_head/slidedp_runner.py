@@ -109,6 +109,8 @@ def run_slidedp(cfg, batch, seq, steps, warmup, ckpt, **opts):
             if i >= warmup:
                 times.append(dt)
                 per_step.append(st)
+        if mark:  # the harness's PSS sample of hostd + this rank, while both still hold their memory
+            mark("measured")
         # Every step's loss, warmup included: the first is the initial weights' (equal for every
         # setting of one hostd seed), the later ones show whether the settings train alike.
         out = {"step_times": times, "loss": float(loss), "losses": [float(v) for v in losses],
