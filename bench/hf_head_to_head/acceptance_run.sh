@@ -4,14 +4,21 @@
 # (python3 deploy/bundle --build build --out .carry/bundle --strip --with-bench --with-gpu-tests):
 #   bench/hf_head_to_head/acceptance_run.sh h2h   BUNDLE OUT   # one run.py invocation: every ratio side by side
 #   bench/hf_head_to_head/acceptance_run.sh stall BUNDLE OUT   # a 4B python_client job checkpointed twice while it trains
+#   bench/hf_head_to_head/acceptance_run.sh baselines BUNDLE OUT  # anchor + FSDP2 offload + slidedp + DeepSpeed, batch 8
 # h2h plan (in this order, so a budget cut drops the least needed runs): FSDP2 full recompute at
 # batch 16 and FSDP2's best (no recompute, batch 8); slidedp full recompute at batch 16 (window 40
 # slots, the first 6 decoder layers updated on the GPU: their host update was the exposed tail of
 # the step boundary) and its best (a quarter of the layers recomputed, batch 16, 4 resident
 # layers: less GPU memory is free there); slidedp batch 8 (the host-floor ratio: every decoder
 # layer host-updated) and FSDP2 + CPUOffloadPolicy batch 8.
+# baselines (#19 item 5): the harness's FSDP2 + CPUOffloadPolicy must reproduce anchor_baselines.py
+# offload 8 (copied to .carry/anchor_baselines.py) within 10% in the same run.py invocation, so the
+# ratios against it (and DeepSpeed ZeRO-Offload's, installed offline from .carry/ds_wheels) hold.
+# Order: anchor and fsdp2_offload adjacent (same machine state), slidedp with a user's defaults,
+# DeepSpeed last (its cpu_adam JIT build, 1-2 min the first time, makes it the least certain fit).
+# About 70-90 s each for the first three (CPU init of the 4B model ~20-30 s), DeepSpeed ~3-4 min.
 set -u
-WHAT=${1:?h2h or stall}; B=${2:?bundle}; OUT=${3:?out}
+WHAT=${1:?h2h, stall or baselines}; B=${2:?bundle}; OUT=${3:?out}
 export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
 mkdir -p "$OUT"
 case "$WHAT" in
@@ -39,5 +46,21 @@ case "$WHAT" in
     echo "rc=$?" >>"$OUT/stall.log"
     tail -3 "$OUT/stall.log" | cut -c1-2500
     ;;
-  *) echo "unknown measurement $WHAT (h2h or stall)" >&2; exit 2 ;;
+  baselines)
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv >"$OUT/nvidia-smi.txt" 2>&1
+    { env | grep -E "^(OMP|MKL|CUDA|NCCL|TORCH|PYTORCH)_" | sort; nproc; } >"$OUT/env.txt" 2>&1
+    if [ -d .carry/ds_wheels ]; then
+      timeout 90 bench/hf_head_to_head/install_deepspeed.sh .carry/ds_wheels >"$OUT/install_deepspeed.log" 2>&1
+      echo "install_deepspeed rc=$?" >>"$OUT/install_deepspeed.log"
+    fi
+    left=$((580 - SECONDS))  # one device call < 600 s, whatever the install took
+    timeout $left python3 bench/hf_head_to_head/run.py --timeout 270 --budget-s $((left - 15)) \
+      --anchor-script .carry/anchor_baselines.py --slidedp-opt bundle="$B" \
+      --run anchor:on:8 --run fsdp2_offload:on:8 --run slidedp:on:8 --run deepspeed:on:8 \
+      --out "$OUT/baselines" >"$OUT/baselines.log" 2>&1
+    echo "rc=$?" >>"$OUT/baselines.log"
+    grep -E "^\[hh2h\].*: (ok|error|oom|timeout|crash|unavailable)|^AGREEMENT|^RATIO|^rc=" "$OUT/baselines.log" | cut -c1-400
+    tail -8 "$OUT/baselines.log" | cut -c1-400
+    ;;
+  *) echo "unknown measurement $WHAT (h2h, stall or baselines)" >&2; exit 2 ;;
 esac

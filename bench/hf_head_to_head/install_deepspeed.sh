@@ -9,8 +9,8 @@
 #       TARGET    default: <repo>/.carry/ds_site (run.py's default --ds-path)
 #   PYTHON=/opt/torch/.venv/bin/python3 by default (the interpreter that will import it).
 #
-# Every wheel in WHEELDIR is installed with --no-deps: torch, numpy, psutil, ninja, py-cpuinfo,
-# msgpack, einops, packaging, tqdm come from the interpreter's own environment.
+# Every wheel in WHEELDIR is installed with --no-deps; torch, numpy, packaging, tqdm come from the
+# interpreter's own environment. prepare_ds_wheels.sh (next to this script) rebuilds WHEELDIR from PyPI.
 set -euo pipefail
 WHEELDIR=${1:?usage: install_deepspeed.sh WHEELDIR [TARGET]}
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -35,11 +35,16 @@ else
   echo "no pip for $PYTHON: unpacking the wheels"
   for w in "${wheels[@]}"; do "$PYTHON" -m zipfile -e "$w" "$TARGET"; done
 fi
+# torch's cpp_extension runs `ninja` from PATH (run.py puts TARGET/bin there): pip writes that entry
+# script, an unpacked wheel does not, so point TARGET/bin/ninja at the wheel's binary then
+if [ ! -e "$TARGET/bin/ninja" ] && [ -x "$TARGET/ninja/data/bin/ninja" ]; then
+  mkdir -p "$TARGET/bin" && ln -s ../ninja/data/bin/ninja "$TARGET/bin/ninja"
+fi
 
 # check: the pure-python part imports (the cpu_adam op is only compiled by the first deepspeed run)
 PYTHONPATH="$TARGET${PYTHONPATH:+:$PYTHONPATH}" "$PYTHON" - <<'EOF'
 import importlib
-for m in ("hjson", "pydantic", "pydantic_core"):
+for m in ("hjson", "pydantic", "pydantic_core", "psutil", "msgpack", "cpuinfo", "einops"):
     importlib.import_module(m)
 try:
     import torch  # noqa: F401
