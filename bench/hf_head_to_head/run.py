@@ -955,8 +955,8 @@ def write_png(report, path):
     batches = sorted({int(r["batch"]) for r in runs})
     notes = []
     n_oom_rows = 0
-    for (system, ckpt), rs in (sorted(series.items(), key=lambda kv: (ALL_SYSTEMS.index(kv[0][0])
-                                                                     if kv[0][0] in ALL_SYSTEMS else 99, not kv[0][1]))):
+    order = lambda kv: (ALL_SYSTEMS.index(kv[0][0]) if kv[0][0] in ALL_SYSTEMS else 99, not kv[0][1])  # noqa: E731
+    for (system, ckpt), rs in sorted(series.items(), key=order):
         rs = sorted(rs, key=lambda r: r["batch"])
         label = f"{system} ({'ckpt' if ckpt else 'no ckpt'})"
         style = "-" if ckpt else "--"
