@@ -374,45 +374,17 @@ class StreamedRuntime(ResidentLayers):
         # the layer again (module hooks may run outside a checkpoint, depending on the library).
         orig = module.forward
         pos = self.dec_pos[idxs[0]]
-        kind = self.s["policies"][pos].kind
-        ckpt = torch.utils.checkpoint.checkpoint
 
-        def run(recompute, *args, **kwargs):
+        def pre(args):
             self._on_pre(idxs, module, args)
-            out = orig(*args, **kwargs)
+
+        def post(args, out, recompute):
             return self._on_post(idxs, module, args, out, recompute)
 
-        def attention_block(h, **kwargs):
-            self._on_pre(idxs, module, (h,))
-            a, _ = module.self_attn(hidden_states=module.input_layernorm(h), **kwargs)
-            return h + a
-
-        def mlp_block(h):
-            self._on_pre(idxs, module, (h,))
-            return h + module.mlp(module.post_attention_layernorm(h))
-
-        def segments(*args, **kwargs):
-            # The decoder layer's own forward in two checkpointed segments: residual + attention,
-            # residual + MLP, the same operations in the same order (policy.check_segmentable).
-            if len(args) != 1:
-                raise SlideDPError(9, f"policy Seg: decoder layer {pos} called with "
-                                      f"{len(args)} positional arguments, expected the hidden "
-                                      "states only")
-            a = ckpt(attention_block, args[0], use_reentrant=False, **kwargs)
-            out = ckpt(mlp_block, a, use_reentrant=False)
-            return self._on_post(idxs, module, args, out, True)
-
         def call(*args, **kwargs):
-            # Like HF's own checkpointing: only in training mode.
-            if kind == "N" or not (module.training and torch.is_grad_enabled()):
-                return run(False, *args, **kwargs)
-            if kind == "Seg":
-                return segments(*args, **kwargs)
-            if kind == "SAC":
-                return ckpt(run, True, *args, use_reentrant=False,
-                            context_fn=policy.sac_context, **policy.SAC_CHECKPOINT_KWARGS,
-                            **kwargs)
-            return ckpt(run, True, *args, use_reentrant=False, **kwargs)
+            # The kind is read at each call: AutoPolicy may change it between steps.
+            return policy.run_layer(self.s["policies"][pos].kind, module, orig, pre, post, pos,
+                                    args, kwargs)
 
         def forward(*args, **kwargs):
             off = self.offload

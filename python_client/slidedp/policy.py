@@ -172,3 +172,43 @@ def check_segmentable(module, pos):
         raise SlideDPError(3, f"policy: Seg for decoder layer {pos} ({type(module).__name__}): "
                               f"its forward returns {ann}, expected the hidden states "
                               "(transformers >= 5). Use F, SAC or N for it")
+
+
+def run_layer(kind, module, forward, pre, post, pos, args, kwargs):
+    """Runs decoder layer `module` (its original `forward`) under activation kind `kind`, in
+    training mode with gradients enabled (otherwise plainly, like HF's own checkpointing).
+    pre(args) runs before the layer's computation (or each segment's), post(args, out,
+    recompute) after it and returns the output: the runtime's window hooks, or nothing for the
+    AutoPolicy profile (autopolicy.py), which times exactly this code."""
+    import torch
+    ckpt = torch.utils.checkpoint.checkpoint
+
+    def run(recompute, *a, **kw):
+        pre(a)
+        return post(a, forward(*a, **kw), recompute)
+
+    if kind == "N" or not (module.training and torch.is_grad_enabled()):
+        return run(False, *args, **kwargs)
+    if kind == "Seg":
+        # The decoder layer's own forward in two checkpointed segments: residual + attention,
+        # residual + MLP, the same operations in the same order (check_segmentable).
+        if len(args) != 1:
+            raise SlideDPError(9, f"policy Seg: decoder layer {pos} called with {len(args)} "
+                                  "positional arguments, expected the hidden states only")
+
+        def attention_block(h, **kw):
+            pre((h,))
+            a, _ = module.self_attn(hidden_states=module.input_layernorm(h), **kw)
+            return h + a
+
+        def mlp_block(h):
+            pre((h,))
+            return h + module.mlp(module.post_attention_layernorm(h))
+
+        a = ckpt(attention_block, args[0], use_reentrant=False, **kwargs)
+        out = ckpt(mlp_block, a, use_reentrant=False)
+        return post(args, out, True)
+    if kind == "SAC":
+        return ckpt(run, True, *args, use_reentrant=False, context_fn=sac_context,
+                    **SAC_CHECKPOINT_KWARGS, **kwargs)
+    return ckpt(run, True, *args, use_reentrant=False, **kwargs)
