@@ -117,7 +117,8 @@ class Selection(unittest.TestCase):
             self.assertIn("selection", text)
         self.assertEqual(kept, sorted(kept, reverse=True), kept)  # less memory, less kept
         self.assertGreater(kept[0], kept[-1])
-        self.assertIn("break-even after", ap.format_table(select(model, b, s, int(2 * all_n)), b, s))
+        roomy = select(model, b, s, int(2 * all_n))
+        self.assertIn("break-even after", ap.format_table(roomy, b, s))
 
     def test_refused_when_nothing_fits(self):
         model = tiny()

@@ -84,8 +84,8 @@ def find_slidedpctl():
     here = os.path.dirname(os.path.abspath(__file__))
     root = os.path.dirname(os.path.dirname(here))  # the source tree or the bundle
     cands = [os.path.join(root, "bin", "slidedpctl")]
-    cands += [os.path.join(d, "slidedpctl", "slidedpctl")
-              for d in [os.path.join(root, "build")] + sorted(glob.glob(os.path.join(root, "build*")))]
+    builds = [os.path.join(root, "build")] + sorted(glob.glob(os.path.join(root, "build*")))
+    cands += [os.path.join(d, "slidedpctl", "slidedpctl") for d in builds]
     for c in cands:
         if os.access(c, os.X_OK):
             return c
@@ -516,7 +516,8 @@ def select(model, base, device, batch, seq, *, world_size, grad_route, window_sl
                 if p.resident:
                     text = f"1{one.token()} {layers - 1}F-r0"
                 else:
-                    text = f"{(layers - 1) // 2}F-r0 1{one.token()} {layers - 1 - (layers - 1) // 2}F-r0"
+                    half = (layers - 1) // 2
+                    text = f"{half}F-r0 1{one.token()} {layers - 1 - half}F-r0"
                 plans[one.token()] = _plan_summary(planner(text))
         finally:
             planner.close()
@@ -584,7 +585,8 @@ def select(model, base, device, batch, seq, *, world_size, grad_route, window_sl
         need = preflight.layout_activation_bytes(cfg, batch, seq, [("F", 1.0)] * layers)
         raise SlideDPError(8, (
             f"batch: {batch} x seq {seq}: no layout fits. policy='auto' has "
-            f"{avail / preflight.GiB:.1f} GiB for activations{' (memory_budget)' if memory_budget else ''}"
+            f"{avail / preflight.GiB:.1f} GiB for activations"
+            f"{' (memory_budget)' if memory_budget else ''}"
             f" and even every layer recomputed with its input offloaded (F-r1) needs about "
             f"{need / preflight.GiB:.1f} GiB; use a smaller batch or sequence. Nothing was sent "
             "to hostd."))
