@@ -141,8 +141,9 @@ def cmd_train(a):
                                 offload_ratio=a.offload_ratio,
                                 offload_min_bytes=a.offload_min_bytes,
                                 nondecoder=a.nondecoder, resident_layers=a.resident_layers,
+                                policy=a.policy,
                                 verify_init=not a.meta and not a.no_verify)
-    dev = model.slidedp.backend.device if hasattr(model.slidedp.backend, "device") else "cpu"
+    dev = model.slidedp.device
     # A resumed job (hostd --resume) goes on at hostd's step, and so does the data.
     first = model.slidedp.next_step - 1
     tokens = load_tokens(a.data, cfg.vocab_size, a.data_seed,
@@ -211,6 +212,9 @@ def main():
     t.add_argument("--steps", type=int, default=20,
                    help="steps to run (a job resumed by hostd goes on at its step, data too)")
     t.add_argument("--accum", type=int, default=1, help="micro-batches per step")
+    t.add_argument("--policy", default="auto",
+                   help="auto (AutoPolicy chooses at the first step), or a per-layer layout such "
+                        "as '2R 20F-r0 6N' (slidedp.attach policy)")
     t.add_argument("--checkpointing", default="full",
                    type=lambda v: v if v in ("full", "none") else float(v),
                    help="full, none, or the fraction of decoder layers to recompute")

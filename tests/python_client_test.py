@@ -721,7 +721,7 @@ class PythonClientTest(unittest.TestCase):
         layers = model.config.num_hidden_layers
         per_sample = preflight.layout_activation_bytes(model.config, 1, 16, [("F", 0.0)] * layers)
         model.train()
-        model, opt = slidedp.attach(model, hostd=sock, device="cpu",
+        model, opt = slidedp.attach(model, hostd=sock, device="cpu", policy=f"{layers}F-r0",
                                     memory_budget=int(per_sample * 3.5))
         x = torch.randint(0, model.config.vocab_size, (4, 16))
         with self.assertRaises(slidedp.SlideDPError) as cm:

@@ -5,6 +5,12 @@
 #   bench/hf_head_to_head/acceptance_run.sh h2h   BUNDLE OUT   # one run.py invocation: every ratio side by side
 #   bench/hf_head_to_head/acceptance_run.sh stall BUNDLE OUT   # a 4B python_client job checkpointed twice while it trains
 #   bench/hf_head_to_head/acceptance_run.sh baselines BUNDLE OUT  # anchor + FSDP2 offload + slidedp + DeepSpeed, batch 8
+#   bench/hf_head_to_head/acceptance_run.sh auto BUNDLE OUT    # #19 item 1 at seq 1024: defaults vs hand-tuned, b8/b16
+#   bench/hf_head_to_head/acceptance_run.sh auto_long BUNDLE OUT  # FSDP2 best, warm cache b16, b32, b1 at 8K
+# auto (#19 items 1, 2, 5): slidedp with a user's defaults (defaults=1: hostd with only --model and
+# --socket, attach with no tuning argument, so policy="auto") next to the hand-tuned
+# configurations of the h2h plan, in one run.py invocation; auto_long's defaults run at b16 finds
+# AutoPolicy's cache warm when XDG_CACHE_HOME is auto's (its selection seconds: the item-5 figure).
 # h2h plan (in this order, so a budget cut drops the least needed runs): FSDP2 full recompute at
 # batch 16 and FSDP2's best (no recompute, batch 8); slidedp full recompute at batch 16 (window 40
 # slots, the first 6 decoder layers updated on the GPU: their host update was the exposed tail of
@@ -61,6 +67,46 @@ case "$WHAT" in
     echo "rc=$?" >>"$OUT/baselines.log"
     grep -E "^\[hh2h\].*: (ok|error|oom|timeout|crash|unavailable)|^AGREEMENT|^RATIO|^rc=" "$OUT/baselines.log" | cut -c1-400
     tail -8 "$OUT/baselines.log" | cut -c1-400
+    ;;
+  auto)
+    # b16 and b8 at seq 1024: defaults next to the hand-tuned configurations (AUTO_BUDGET_S, default
+    # 570, bounds the whole invocation).
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv >"$OUT/nvidia-smi.txt" 2>&1
+    export XDG_CACHE_HOME=${XDG_CACHE_HOME:-$OUT/cache}
+    T=${AUTO_BUDGET_S:-570}
+    timeout $((T + 10)) python3 bench/hf_head_to_head/run.py --timeout 170 --budget-s "$T" \
+      --slidedp-opt bundle="$B" \
+      --run slidedp:on:16:defaults=1 \
+      --run slidedp:on:16:window_slots=40,resident_layers=6,update_threads=12,max_pending_grads=16 \
+      --run slidedp:on:8:defaults=1 \
+      --run slidedp:on:8:window_slots=40,update_threads=12,max_pending_grads=16 \
+      --run slidedp:off:16:checkpointing=0.25,resident_layers=4,update_threads=12,max_pending_grads=16 \
+      --out "$OUT/auto" >"$OUT/auto.log" 2>&1
+    echo "rc=$?" >>"$OUT/auto.log"
+    grep -E "^\[hh2h\].*: (ok|error|oom|timeout|crash|unavailable)|^rc=" "$OUT/auto.log" | cut -c1-400
+    ;;
+  auto_long)
+    # FSDP2's best, the warm-cache start at b16, b32 at seq 1024, b1 at 8K: defaults next to
+    # hand-tuned.
+    export XDG_CACHE_HOME=${XDG_CACHE_HOME:-$OUT/cache}
+    T=${AUTO_BUDGET_S:-570}
+    timeout $((T + 10)) python3 bench/hf_head_to_head/run.py --timeout 170 --budget-s "$T" \
+      --slidedp-opt bundle="$B" \
+      --run fsdp2:off:8 --run slidedp:on:16:defaults=1 \
+      --run slidedp:on:32:defaults=1 \
+      --run slidedp:on:32:window_slots=40,resident_layers=4,update_threads=12,max_pending_grads=16 \
+      --out "$OUT/long" >"$OUT/long.log" 2>&1
+    echo "rc=$?" >>"$OUT/long.log"
+    left=$((T - SECONDS))
+    if ((left > 150)); then
+      timeout $((left + 5)) python3 bench/hf_head_to_head/run.py --seq 8192 --timeout 140 \
+        --budget-s "$left" --slidedp-opt bundle="$B" \
+        --run slidedp:on:1:defaults=1 \
+        --run slidedp:on:1:window_slots=40,resident_layers=6,update_threads=12,max_pending_grads=16 \
+        --out "$OUT/s8k" >"$OUT/s8k.log" 2>&1
+      echo "rc=$?" >>"$OUT/s8k.log"
+    fi
+    grep -hE "^\[hh2h\].*: (ok|error|oom|timeout|crash|unavailable)|^rc=" "$OUT"/long.log "$OUT"/s8k.log | cut -c1-400
     ;;
   *) echo "unknown measurement $WHAT (h2h, stall or baselines)" >&2; exit 2 ;;
 esac

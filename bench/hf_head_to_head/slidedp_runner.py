@@ -16,7 +16,12 @@ run_slidedp(cfg, batch, seq, steps, warmup, ckpt, **opts) -> dict
   offload_ratio, offload_min_bytes (activation offload, slidedp.attach), resident_layers (the
   first N decoder layers updated on the device, slidedp.attach),
   update_threads (default: cores - 4), chunk_bytes, h2d_chunk_bytes, hostd_args (list of extra
-  hostd flags; default ["--grad_route", "gpu_reduction"]).
+  hostd flags; default ["--grad_route", "gpu_reduction"]), policy (a layout for
+  slidedp.attach).
+  defaults=1: what a user who follows the README gets: hostd with only --model, --socket (and
+  --instance, the run's hyperparameters), no tuning flag; slidedp.attach(model, hostd=...,
+  device=...) with no tuning argument, so policy="auto" chooses at the first step. The run
+  records the chosen layout, its predicted step time and the selection's seconds.
 """
 import json
 import os
@@ -43,6 +48,7 @@ def run_slidedp(cfg, batch, seq, steps, warmup, ckpt, **opts):
     repo = opts["repo_root"]
     hostd_bin, ctl_bin, lib = _paths(repo, opts.get("bundle"))
     os.environ["SLIDEDP_RANK_LIB"] = lib
+    os.environ.setdefault("SLIDEDP_CTL", ctl_bin)  # policy="auto" ranks layouts with `slidedpctl plan`
     sys.path.insert(0, os.path.join(repo, "python_client"))
     import slidedp
 
@@ -58,9 +64,14 @@ def run_slidedp(cfg, batch, seq, steps, warmup, ckpt, **opts):
     # the GPU-reduction route lets hostd apply AdamW chunk by chunk as the D2H lands (3.9-4.2
     # Gparam/s with 12 threads), where the CPU-reduction route's whole-layer updates with every
     # core reached 1.4 Gparam/s next to the rank's own threads.
-    threads = opts.get("update_threads") or max(1, (os.cpu_count() or 4) - 4)
-    cmd += ["--update_threads", str(threads)]
-    if "hostd_args" not in opts:
+    defaults = bool(int(opts.get("defaults", 0) or 0))
+    if defaults:
+        cmd.remove("--mlock")
+        cmd.remove("best_effort")
+    else:
+        threads = opts.get("update_threads") or max(1, (os.cpu_count() or 4) - 4)
+        cmd += ["--update_threads", str(threads)]
+    if "hostd_args" not in opts and not defaults:
         cmd += ["--grad_route", "gpu_reduction"]
     if opts.get("chunk_bytes"):
         cmd += ["--chunk_bytes", str(opts["chunk_bytes"])]
@@ -84,15 +95,22 @@ def run_slidedp(cfg, batch, seq, steps, warmup, ckpt, **opts):
                                    "max_pending_grads", "offload_ratio", "offload_min_bytes",
                                    "resident_layers")
               if k in opts}
-        model, opt = slidedp.attach(model, hostd=sock, device=dev,
-                                    checkpointing=opts.get("checkpointing", "full" if ckpt else "none"),
-                                    verify_init=False, **kw)
+        if defaults:
+            model, opt = slidedp.attach(model, hostd=sock, device=dev, verify_init=False)
+        elif "policy" in opts:
+            model, opt = slidedp.attach(model, hostd=sock, device=dev, policy=opts["policy"],
+                                        verify_init=False, **kw)
+        else:
+            model, opt = slidedp.attach(model, hostd=sock, device=dev,
+                                        checkpointing=opts.get("checkpointing", "full" if ckpt else "none"),
+                                        verify_init=False, **kw)
         x = opts["input_ids"].to(dev)
         cuda = dev != "cpu" and torch.cuda.is_available()
         if cuda:
             torch.cuda.reset_peak_memory_stats()
         times, per_step, loss, losses = [], [], None, []
         mark = opts.get("mark_phase")
+        all_steps = []  # every step's figures, warmup included (AutoPolicy validates on them)
         step_starts = []  # time.monotonic() at each step's start: hostd's update spans use it
         for i in range(warmup + steps):
             if i == 0 and mark:
@@ -103,6 +121,7 @@ def run_slidedp(cfg, batch, seq, steps, warmup, ckpt, **opts):
             loss.backward()
             losses.append(loss.detach())
             st = opt.step()
+            all_steps.append(st)
             if cuda:
                 torch.cuda.synchronize()
             dt = time.perf_counter() - t
@@ -124,6 +143,21 @@ def run_slidedp(cfg, batch, seq, steps, warmup, ckpt, **opts):
         # Where the version gate held the last step's forward: (layer, seconds, ms into step).
         out["last_step_fetch_waits"] = per_step[-1].get("param_fetch_waits", [])
         rt = model.slidedp
+        out["policy"] = per_step[-1].get("policy")
+        out["predicted_step_s"] = per_step[-1].get("policy_predicted_step_s")
+        auto = getattr(rt, "auto", None)
+        if auto is not None:
+            i = auto.sel.info
+            out["autopolicy"] = {
+                "layout": auto.sel.layout, "selection_s": i.get("selection_s"),
+                "profile_s": i.get("profile_s"), "attach_s": i.get("attach_s"),
+                "cache": i.get("cache"), "resolves": auto.sel.resolves,
+                "history": auto.history, "mem_scale": auto.sel.mem_scale,
+                "plan": i.get("plan"), "plan_fixed": i.get("plan_fixed"),
+                "activation_budget": i.get("activation_budget"),
+                "validation": [{k: s_.get(k) for k in (
+                    "policy", "policy_activation_peak_bytes", "policy_activation_predicted_bytes",
+                    "policy_peak_reserved_bytes")} for s_ in all_steps[:4]]}
         if cuda:
             free, total = torch.cuda.mem_get_info()
             window = rt.backend.plane.window_slots * rt.backend.plane.slot_elems * 2

@@ -18,7 +18,7 @@ from . import policy, preflight
 from ._backends import _TORCH_DTYPE
 from ._lib import SlideDPError
 from ._resident import ResidentLayers
-from .offload import OffloadedTensor, spread as _spread
+from .offload import ActivationOffload, OffloadedTensor, spread as _spread
 
 log = logging.getLogger("slidedp")
 
@@ -113,6 +113,35 @@ class StreamedRuntime(ResidentLayers):
         self.sync_done = 0  # the version of the last upload hostd took
         self.sync_error = None  # (version, exception) of a failed upload, until it is raised
         self.snapshot_s = 0.0  # this step's time taking a snapshot (on the training thread)
+        self.auto = None  # policy='auto': the validation of the first steps (slidedp/_auto.py)
+
+    @property
+    def device(self):
+        return self.s["device"]
+
+    def set_policies(self, policies):
+        """A new layout between steps (AutoPolicy's re-solve): the activation kinds and offload
+        ratios of the streamed layers; the resident layers stay as attached."""
+        if self.step is not None:
+            raise SlideDPError(9, "set_policies: a step is running; change the layout between "
+                                  "steps")
+        old = self.s["policies"]
+        if len(policies) != len(old) or any(a.resident != b.resident
+                                            for a, b in zip(policies, old)):
+            raise SlideDPError(3, f"set_policies: {policy.format_layout(policies)} keeps other "
+                                  f"layers resident than {policy.format_layout(old)}; the "
+                                  "resident layers are fixed at attach")
+        for pos, p in enumerate(policies):
+            if p.kind == "Seg":
+                policy.check_segmentable(self.model.model.layers[pos], pos)
+        ratios = {pos: p.ratio for pos, p in enumerate(policies) if p.ratio > 0}
+        if not ratios:
+            self.offload = None
+        elif self.offload is None or self.offload.ratios != ratios:
+            self.offload = ActivationOffload(self.s["device"], ratios,
+                                             self.s["offload_min_bytes"], self.s["time_waits"])
+        self.s["policies"] = list(policies)
+        self.shapes_checked.clear()
 
     # ---- parameters in and out of the window ----
     def _version(self):
@@ -349,9 +378,7 @@ class StreamedRuntime(ResidentLayers):
             self.micro += 1
 
     def install(self):
-        model = self.model
-        self.hooks.append(model.register_forward_pre_hook(self._on_model_pre, with_kwargs=True))
-        self.hooks.append(model.register_forward_hook(self._on_model_post, with_kwargs=True))
+        # The model-level begin and end of a step run in attach's wrapper of model.forward.
         seen = set()
         for idx, layer in self.layers.items():
             for p, ti in layer.params:
@@ -452,6 +479,9 @@ class StreamedRuntime(ResidentLayers):
             stats.update(self.offload.step_stats())
         else:
             stats.update(activation_offload_bytes=0, activation_prefetch_wait_s=0.0)
+        stats["policy"] = policy.format_layout(self.s["policies"])  # the layout this step ran
+        if self.auto is not None:
+            self.auto.after_step(stats)
         self.counters0 = c
         self.next_step = self.step + 1
         self.step = None

@@ -2,9 +2,9 @@
 which layers stay resident, from measurements at the job's real shape (the SlideDP paper, sections
 3.5-3.6, Algorithm 1).
 
-Not attach's default yet (issue #19 item 3 in progress): select() is the whole selection, which
-attach is to call at the first forward, when the batch shape is known and hostd has heard of no
-step; resolve() and the reserved-memory feedback of step 5 wait for that wiring. The steps:
+attach's default: slidedp/_auto.py calls select() at the first forward, when the batch shape is
+known and hostd has heard of no step, and resolve() after attach and after the first steps. The
+steps:
   1. candidates: F, Seg, SAC, N (slidedp/policy.py), each with an offload ratio r in {0, 0.5, 1};
      resident layers R (activations kept) and RF (recomputed), when the rank may change the set of
      layers it updates itself (one rank, or a process group to agree through);
@@ -454,8 +454,12 @@ class Selection:
 
 
 def select(model, base, device, batch, seq, *, world_size, grad_route, window_slots,
-           nondecoder_resident, allow_resident, memory_budget, lib_path, rank=0, out=None):
-    """Chooses the layout for `model` at (batch, seq) per rank. Returns a Selection."""
+           nondecoder_resident, allow_resident, memory_budget, lib_path, rank=0, out=None,
+           reclaimable=0):
+    """Chooses the layout for `model` at (batch, seq) per rank. Returns a Selection.
+    allow_resident: whether decoder layers may stay resident (R, RF): the caller knows whether
+    the rank can change the set of layers it updates. reclaimable: bytes on the device that
+    attach frees before training (the model's own weights, when it was moved there)."""
     import torch
     t_start = time.perf_counter()
     cfg = model.config
@@ -474,7 +478,7 @@ def select(model, base, device, batch, seq, *, world_size, grad_route, window_sl
         kinds.insert(1, "Seg")
     except SlideDPError:
         pass
-    allow_resident = allow_resident and cuda
+    allow_resident = bool(allow_resident)
     cands = candidates(kinds, allow_resident)
     ctl = find_slidedpctl()
     cfg_json = cfg.to_json_string()
@@ -569,6 +573,7 @@ def select(model, base, device, batch, seq, *, world_size, grad_route, window_sl
     if cuda:
         free, _ = torch.cuda.mem_get_info(device)
         free += max(0, torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device))
+        free += reclaimable
         layer_bytes = 2 * layer_params
         window = window_slots * layer_bytes + max(2, 4) * 4 * layer_params  # slots + staging
         fixed = window + (RESIDENT_BYTES_PER_PARAM * nondec if nondecoder_resident else 0)
@@ -582,14 +587,17 @@ def select(model, base, device, batch, seq, *, world_size, grad_route, window_sl
     sel.transient = transient
     counts, obj = solve(layers, costs, base_sums, avail - transient, sel.max_resident)
     if counts is None:
-        need = preflight.layout_activation_bytes(cfg, batch, seq, [("F", 1.0)] * layers)
+        smallest = [("F", 1.0)] * layers
+        need = preflight.layout_activation_bytes(cfg, batch, seq, smallest)
+        fits = int(max(0.0, avail) // preflight.layout_activation_bytes(cfg, 1, seq, smallest))
+        source = "memory_budget" if memory_budget is not None and avail >= memory_budget else \
+            "free after the GPU window and the resident layers"
+        hint = f"batch <= {fits} fits" if fits >= 1 else "not even batch 1 fits"
         raise SlideDPError(8, (
             f"batch: {batch} x seq {seq}: no layout fits. policy='auto' has "
-            f"{avail / preflight.GiB:.1f} GiB for activations"
-            f"{' (memory_budget)' if memory_budget else ''}"
-            f" and even every layer recomputed with its input offloaded (F-r1) needs about "
-            f"{need / preflight.GiB:.1f} GiB; use a smaller batch or sequence. Nothing was sent "
-            "to hostd."))
+            f"{avail / preflight.GiB:.2f} GiB for activations ({source}), and even every layer "
+            f"recomputed with its input offloaded (F-r1) needs about {need / preflight.GiB:.2f} "
+            f"GiB; {hint} (seq {seq}). Nothing was sent to hostd."))
     sel.policies = layout_from_counts(counts)
     sel.rows = _rows(costs, counts, tokens, prof)
     sel.info.update(selection_s=time.perf_counter() - t_start, profile_s=t_profile,

@@ -121,7 +121,7 @@ def attach(model, hostd="unix:///run/slidedp/hostd.sock", *, rank=None, world_si
            offload_min_bytes=65536, accumulation_steps=1, window_slots=None, prefetch=2,
            h2d_chunk_bytes=0, param_route="replicated", max_pending_grads=4, verify_init=True,
            time_waits=True, timeout_s=60, cpu_window=False, nondecoder="auto", resident_layers=0,
-           process_group=None, memory_budget=None, policy=None, lib=None):
+           process_group=None, memory_budget=None, policy="auto", lib=None):
     """Attaches an HF causal LM to hostd's job and returns (model, optimizer).
 
     hostd: its socket ("unix:///path" or a path). rank/world_size: default RANK/WORLD_SIZE
@@ -135,10 +135,16 @@ def attach(model, hostd="unix:///run/slidedp/hostd.sock", *, rank=None, world_si
     back for backward one layer ahead; for a checkpointed layer that is its input, otherwise
     every tensor autograd saves in it except its parameters and tensors smaller than
     offload_min_bytes (default 64 KiB).
-    policy: a per-layer layout instead of checkpointing / offload_ratio / resident_layers, e.g.
-    "4R 24F-r0 4Seg-r0.5 4N" (groups in forward order: <count><kind>[-r<ratio>], kinds F full
-    recompute, Seg attention and MLP segments, SAC selective checkpoint, N none, R resident on
-    the device; r the fraction of a layer's saved bytes offloaded; slidedp/policy.py).
+    policy: "auto" (the default): AutoPolicy chooses each decoder layer's activation kind,
+    offload ratio and which layers stay resident, at the first forward, for its batch shape,
+    from a profile of one layer on the device and the step-time model (slidedp/autopolicy.py,
+    slidedp/_auto.py; it prints the table on rank 0); when checkpointing, offload_ratio or
+    resident_layers is given, those are used instead, and on the CPU with no memory_budget
+    every layer is F-r0. A layout string fixes it instead, e.g. "4R 24F-r0 4Seg-r0.5 4N"
+    (groups in forward order: <count><kind>[-r<ratio>], kinds F full recompute, Seg attention
+    and MLP segments, SAC selective checkpoint, N none, R resident on the device; r the
+    fraction of a layer's saved bytes offloaded; slidedp/policy.py). None: the legacy
+    arguments alone.
     accumulation_steps: micro-batches per optimizer step
     (gradients accumulated in FP32 on the compute device). window_slots: GPU window size in
     layers (default: enough for the schedule). prefetch: decoder layers fetched ahead.
@@ -218,12 +224,24 @@ def attach(model, hostd="unix:///run/slidedp/hostd.sock", *, rank=None, world_si
     if nondecoder == "auto":
         nondecoder = "resident" if device.type == "cuda" and (
             (world_size or 1) == 1 or pg_ready or process_group is not None) else "host"
+    nondecoder_given = nondecoder
     mlayers = manifest_layers(cfg_json, lib)
     dec_idx = [i for i, l in enumerate(mlayers) if l["kind"] == "LAYER_KIND_DECODER"]
-    if policy is not None:
-        given = [f"{k}={v!r}" for k, v, d in (("checkpointing", checkpointing, "full"),
-                                              ("offload_ratio", offload_ratio, 0.0),
-                                              ("resident_layers", resident_layers, 0)) if v != d]
+    given = [f"{k}={v!r}" for k, v, d in (("checkpointing", checkpointing, "full"),
+                                          ("offload_ratio", offload_ratio, 0.0),
+                                          ("resident_layers", resident_layers, 0)) if v != d]
+    auto = False
+    if policy == "auto":
+        # Explicit settings win; the CPU with no budget has nothing to choose (every layer F-r0,
+        # the reference).
+        auto = not given and (device.type == "cuda" or memory_budget is not None)
+        if not given and not auto:
+            log.info("policy='auto' on the CPU with no memory_budget: every layer F-r0")
+        policy = None
+    elif policy is not None:
+        if not isinstance(policy, str):
+            raise SlideDPError(3, f"policy: {policy!r}, expected 'auto', a layout string such "
+                                  "as '4R 24F-r0 8N', or None")
         if given:
             raise SlideDPError(3, f"policy: {policy!r} with {', '.join(given)}: the layout says "
                                   "what each layer saves, offloads and keeps resident; pass one "
@@ -249,17 +267,19 @@ def attach(model, hostd="unix:///run/slidedp/hostd.sock", *, rank=None, world_si
         raise SlideDPError(3, f"resident_layers: {resident_layers} with nondecoder='resident' "
                               "leaves hostd no layer to update; expected at most "
                               f"{len(dec_idx) - 1}, or nondecoder='host'")
-    try:
-        rh = RankHandle(hostd, rank, mhash, gpu=device.index if device.type == "cuda" else -1,
-                        job_id=job_id, timeout_ms=int(timeout_s * 1000), lib=lib,
-                        client_updated_layers=resident)
-    except SlideDPError as e:
-        if e.code == 9 and "manifest" in str(e):
-            raise SlideDPError(9, f"the model does not match hostd's job: this model "
-                                  f"({family}, {cfg.num_hidden_layers} layers, hidden "
-                                  f"{cfg.hidden_size}, vocab {cfg.vocab_size}) has manifest hash "
-                                  f"{mhash}; hostd said: {e}") from None
-        raise
+    def connect(client_updated):
+        try:
+            return RankHandle(hostd, rank, mhash, gpu=device.index if device.type == "cuda"
+                              else -1, job_id=job_id, timeout_ms=int(timeout_s * 1000), lib=lib,
+                              client_updated_layers=client_updated)
+        except SlideDPError as e:
+            if e.code == 9 and "manifest" in str(e):
+                raise SlideDPError(9, f"the model does not match hostd's job: this model "
+                                      f"({family}, {cfg.num_hidden_layers} layers, hidden "
+                                      f"{cfg.hidden_size}, vocab {cfg.vocab_size}) has manifest "
+                                      f"hash {mhash}; hostd said: {e}") from None
+            raise
+    rh = connect(resident)
     try:
         if world_size is not None and world_size != rh.world_size:
             raise SlideDPError(9, f"world_size: this job runs {world_size} ranks "
@@ -272,7 +292,9 @@ def attach(model, hostd="unix:///run/slidedp/hostd.sock", *, rank=None, world_si
                                   "the ranks that trained them held their state. Restart hostd "
                                   "from a checkpoint (--resume DIR) to go on from it")
         pg = process_group
-        if resident and rh.world_size > 1 and pg is None:
+        # policy='auto' may keep decoder layers resident: with several ranks their gradients
+        # are all-reduced, so it may only where a process group is there to do it.
+        if (resident or (auto and pg_ready)) and rh.world_size > 1 and pg is None:
             if not pg_ready:
                 if "MASTER_ADDR" not in os.environ:
                     raise SlideDPError(3, "resident layers (nondecoder='resident', resident_layers) "
@@ -284,17 +306,28 @@ def attach(model, hostd="unix:///run/slidedp/hostd.sock", *, rank=None, world_si
                     "nccl" if device.type == "cuda" else "gloo", rank=rank,
                     world_size=rh.world_size)
             pg = torch.distributed.group.WORLD
-        return _attach(model, base, rh, device, mhash, dict(
+        s = dict(
             resident=set(resident), process_group=pg, policies=policies,
             checkpointing=checkpointing, accumulation_steps=int(accumulation_steps),
             offload_ratio=float(offload_ratio), offload_min_bytes=offload_min_bytes,
             window_slots=window_slots, prefetch=int(prefetch), h2d_chunk_bytes=h2d_chunk_bytes,
             param_route=param_route, max_pending=int(max_pending_grads), verify=verify_init,
             time_waits=time_waits, cpu_window=bool(cpu_window), device=device,
-            memory_budget=memory_budget))
+            memory_budget=memory_budget)
+        if not auto:
+            return _attach(model, base, rh, device, mhash, s)
     except BaseException:
         rh.detach()
         raise
+    from ._auto import PendingAttach
+    pending = PendingAttach(model, base, rh, device, mhash, dict(
+        s, mlayers=mlayers, dec_idx=dec_idx, nondecoder=nondecoder_given), connect)
+    model.slidedp = pending
+    opt = SlideDPOptimizer(pending)
+    pending.optimizer = opt
+    log.info("rank %d attached to %s with policy='auto': the layout is chosen at the first "
+             "forward", rh.rank, rh.socket)
+    return model, opt
 
 
 def _replace_meta_params(model, placeholder):
@@ -434,11 +467,15 @@ def _attach(model, base, rh, device, mhash, s):
     rt_ref = weakref.ref(rt)
 
     def forward(*args, **kwargs):
+        # The step's begin and end around the model's forward (not module hooks: policy='auto'
+        # attaches inside the first call, after the hooks of that call have been read).
         r = rt_ref()
         if r is None:
             return orig_forward(*args, **kwargs)
+        r._on_model_pre(model, args, kwargs)
         with r.saved_tensor_hooks():
-            return orig_forward(*args, **kwargs)
+            out = orig_forward(*args, **kwargs)
+        return r._on_model_post(model, args, kwargs, out)
     model.forward = forward
     log.info("rank %d attached to %s: %d layers (%d decoder), %.2fB parameters, %s backend, "
              "window %d slots, grad route %s, layout %s, non-decoder layers %s, "

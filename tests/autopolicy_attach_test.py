@@ -1,0 +1,211 @@
+#!/usr/bin/env python3
+"""policy="auto", slidedp.attach's default (issue #19 items 3 and 6), on the CPU through a real
+hostd:
+  - with no memory_budget the CPU trains every layer F-r0 at once (nothing to choose);
+  - with a memory_budget the layout is chosen at the first forward: opt.step() before it is
+    refused, the chosen layout fits the budget (preflight's estimate) and keeps more than F, and
+    the losses and hostd's final parameters equal every-layer-F's bit for bit;
+  - a budget nothing fits is refused (code 8) at the first forward before hostd hears of a step:
+    hostd's job stays at step 0 with no step running, and the rank detaches cleanly;
+  - a chosen layout with a resident decoder layer re-attaches the rank with the new set of
+    layers it updates (hostd's client_updated_layers), and trains like the same layout given
+    explicitly, bit for bit;
+  - explicit settings (checkpointing=...) win over "auto".
+
+usage: autopolicy_attach_test.py HOSTD LIBSLIDEDP_RANK.so SLIDEDPCTL [unittest args]
+About 40 s on 2 cores.
+"""
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import unittest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "python_client"))
+sys.path.insert(0, os.path.join(ROOT, "tests"))
+from harness import HostdProcess  # noqa: E402
+
+HOSTD = LIB = CTL = None
+BATCH, SEQ, STEPS = 8, 4096, 2
+
+import torch  # noqa: E402
+import transformers  # noqa: E402
+
+
+def tiny_config():
+    return transformers.Qwen3Config(vocab_size=256, hidden_size=64, intermediate_size=128,
+                                    num_hidden_layers=4, num_attention_heads=4,
+                                    num_key_value_heads=2, head_dim=16,
+                                    max_position_embeddings=4096)
+
+
+class AutoAttach(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        cls.tmp = tempfile.mkdtemp(prefix="slidedp-autoattach-")
+        cls.model_dir = os.path.join(cls.tmp, "model")
+        torch.manual_seed(0)
+        m = transformers.AutoModelForCausalLM.from_config(tiny_config()).float()
+        m.save_pretrained(cls.model_dir, safe_serialization=True)
+        os.environ["SLIDEDP_RANK_LIB"] = LIB
+        os.environ["SLIDEDP_CTL"] = CTL
+        os.environ["XDG_CACHE_HOME"] = os.path.join(cls.tmp, "cache")
+        g = torch.Generator().manual_seed(1)
+        cls.data = [torch.randint(0, 256, (BATCH, SEQ), generator=g) for _ in range(STEPS)]
+
+    def setUp(self):
+        self.hostds = []
+
+    def tearDown(self):
+        for h in self.hostds:
+            h.finish()
+
+    def hostd(self, tag):
+        h = HostdProcess(HOSTD, "--model", self.model_dir, "--world_size", "1", "--mlock",
+                         "best_effort", "--update_threads", "1", "--grad_dtype", "fp32",
+                         tmp=self.tmp, tag=tag, slidedpctl=CTL, log_name=f"hostd-{tag}.log")
+        self.hostds.append(h)
+        return h.start()
+
+    def model(self):
+        m = transformers.AutoModelForCausalLM.from_pretrained(self.model_dir,
+                                                              dtype=torch.float32)
+        m.config._attn_implementation = "sdpa"
+        m.train()
+        return m
+
+    def train(self, tag, **kw):
+        import slidedp
+        h = self.hostd(tag)
+        model, opt = slidedp.attach(self.model(), hostd=h.socket, device="cpu", **kw)
+        losses = []
+        for x in self.data:
+            loss = model(input_ids=x, labels=x).loss
+            loss.backward()
+            stats = opt.step()
+            losses.append(float(loss.detach()))
+        layout = stats.get("policy")
+        rt = model.slidedp
+        final = rt.fetch_state_dict()
+        opt.close()
+        return losses, final, layout, rt
+
+    def budget(self, frac):
+        from slidedp import preflight
+        cfg = tiny_config()
+        floor = preflight.layout_activation_bytes(cfg, BATCH, SEQ, [("F", 1.0)] * 4)
+        all_n = preflight.layout_activation_bytes(cfg, BATCH, SEQ, [("N", 0.0)] * 4)
+        return int(floor + frac * (all_n - floor))
+
+    def assert_same(self, a, b):
+        self.assertEqual(a[0], b[0])  # every step's loss
+        self.assertEqual(sorted(a[1]), sorted(b[1]))
+        for n, t in a[1].items():
+            self.assertTrue(torch.equal(t, b[1][n]), n)
+
+    def test_cpu_without_budget_trains_every_layer_f(self):
+        from slidedp import policy
+        import slidedp
+        h = self.hostd("nob")
+        model, opt = slidedp.attach(self.model(), hostd=h.socket, device="cpu")
+        self.assertFalse(getattr(model.slidedp, "pending", False))
+        self.assertEqual(policy.format_layout(model.slidedp.s["policies"]), "4F-r0")
+        opt.close()
+
+    def test_budget_chosen_at_first_forward_bit_exact_with_f(self):
+        import slidedp
+        from slidedp import policy, preflight
+        ref = self.train("ref", policy="4F-r0")
+        budget = self.budget(0.6)
+        h = self.hostd("auto")
+        model, opt = slidedp.attach(self.model(), hostd=h.socket, device="cpu",
+                                    memory_budget=budget)
+        self.assertTrue(model.slidedp.pending)
+        with self.assertRaises(slidedp.SlideDPError) as cm:
+            opt.step()
+        self.assertEqual(cm.exception.code, 9)
+        self.assertIn("before the first forward", str(cm.exception))
+        opt.zero_grad()
+        losses = []
+        for x in self.data:
+            loss = model(input_ids=x, labels=x).loss
+            loss.backward()
+            stats = opt.step()
+            losses.append(float(loss.detach()))
+        rt = model.slidedp
+        self.assertFalse(getattr(rt, "pending", False))
+        chosen = rt.s["policies"]
+        self.assertEqual(stats["policy"], policy.format_layout(chosen))
+        self.assertNotEqual(stats["policy"], "4F-r0")  # the budget leaves room to keep more
+        est = preflight.layout_activation_bytes(model.config, BATCH, SEQ,
+                                                [(p.kind, p.ratio) for p in chosen])
+        self.assertLessEqual(est, budget, stats["policy"])
+        final = rt.fetch_state_dict()
+        opt.close()
+        self.assert_same((losses, final), ref)
+
+    def test_refused_before_hostd_hears_of_a_step(self):
+        import slidedp
+        from slidedp import preflight
+        floor = preflight.layout_activation_bytes(tiny_config(), BATCH, SEQ, [("F", 1.0)] * 4)
+        h = self.hostd("refuse")
+        model, opt = slidedp.attach(self.model(), hostd=h.socket, device="cpu",
+                                    memory_budget=floor // 2)
+        x = self.data[0]
+        with self.assertRaises(slidedp.SlideDPError) as cm:
+            model(input_ids=x, labels=x)
+        self.assertEqual(cm.exception.code, 8, str(cm.exception))
+        self.assertIn("no layout fits", str(cm.exception))
+        self.assertRegex(str(cm.exception), r"batch <= [34] fits \(seq 4096\)")
+        self.assertIn("Nothing was sent to hostd", str(cm.exception))
+        st = h.ctl_json("status")
+        self.assertEqual(int(st["job"].get("step", 0)), 0, st["job"])  # none completed
+        self.assertEqual(st["job"].get("step_state"), "idle", st["job"])  # none begun
+        self.assertTrue(model.slidedp.pending)  # still waiting for a batch that fits
+        opt.close()
+        st = h.ctl_json("status")
+        self.assertEqual([r for r in st.get("ranks", []) if r.get("attached")], [], st)
+
+    def test_resident_layer_chosen_reattaches(self):
+        from slidedp import autopolicy, policy
+        ref = self.train("rref", policy="1R 3F-r0", nondecoder="resident")
+        orig = autopolicy.select
+
+        def select(*a, **kw):  # the choice fixed, to exercise what attach does with it
+            self.assertTrue(kw["allow_resident"])
+            sel = autopolicy.Selection()
+            sel.layers = 4
+            sel.policies = policy.parse_layout("1R 3F-r0", 4)
+            sel.info = {"why": "fixed by the test", "selection_s": 0.0}
+            return sel
+        autopolicy.select = select
+        try:
+            got = self.train("rauto", nondecoder="resident", memory_budget=self.budget(1.0))
+        finally:
+            autopolicy.select = orig
+        self.assertEqual(got[2], "1R 3F-r0")
+        rt = got[3]
+        resident = sorted(i for i, l in rt.layers.items() if l.resident)
+        self.assertEqual(resident, [0, 1, 5, 6])  # embedding, decoder 1, norm, lm_head
+        self.assert_same(got[:2], ref[:2])
+
+    def test_explicit_settings_win(self):
+        import slidedp
+        from slidedp import policy
+        h = self.hostd("expl")
+        model, opt = slidedp.attach(self.model(), hostd=h.socket, device="cpu",
+                                    checkpointing="none", memory_budget=self.budget(1.0))
+        self.assertFalse(getattr(model.slidedp, "pending", False))
+        self.assertEqual(policy.format_layout(model.slidedp.s["policies"]), "4N")
+        opt.close()
+        with self.assertRaises(slidedp.SlideDPError) as cm:
+            slidedp.attach(self.model(), hostd=h.socket, device="cpu", policy=4)
+        self.assertIn("policy: 4", str(cm.exception))
+
+
+if __name__ == "__main__":
+    HOSTD, LIB, CTL = sys.argv[1:4]
+    del sys.argv[1:4]
+    unittest.main()
