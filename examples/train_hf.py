@@ -141,7 +141,7 @@ def cmd_train(a):
                                 offload_ratio=a.offload_ratio,
                                 offload_min_bytes=a.offload_min_bytes,
                                 nondecoder=a.nondecoder, resident_layers=a.resident_layers,
-                                policy=a.policy,
+                                policy=a.policy, memory_budget=a.memory_budget,
                                 verify_init=not a.meta and not a.no_verify)
     dev = model.slidedp.device
     # A resumed job (hostd --resume) goes on at hostd's step, and so does the data.
@@ -223,6 +223,9 @@ def main():
                         "(slidedp.attach offload_ratio)")
     t.add_argument("--offload-min-bytes", type=int, default=65536,
                    help="saved tensors smaller than this stay on the device (offload_min_bytes)")
+    t.add_argument("--memory-budget", type=float, default=None,
+                   help="bytes of device memory a step's activations may use (slidedp.attach "
+                        "memory_budget; policy auto chooses the layout under it)")
     t.add_argument("--device", default=None)
     t.add_argument("--dist-backend", default=None, choices=["gloo", "nccl"],
                    help="initialize a torch.distributed process group first (torchrun)")

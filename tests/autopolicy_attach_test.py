@@ -10,6 +10,8 @@ hostd:
   - a chosen layout with a resident decoder layer re-attaches the rank with the new set of
     layers it updates (hostd's client_updated_layers), and trains like the same layout given
     explicitly, bit for bit;
+  - two torchrun ranks with a process group take rank 0's layout (resident decoder layers
+    included: both re-attach) and train like that layout given explicitly;
   - explicit settings (checkpointing=...) win over "auto".
 
 usage: autopolicy_attach_test.py HOSTD LIBSLIDEDP_RANK.so SLIDEDPCTL [unittest args]
@@ -190,6 +192,57 @@ class AutoAttach(unittest.TestCase):
         resident = sorted(i for i, l in rt.layers.items() if l.resident)
         self.assertEqual(resident, [0, 1, 5, 6])  # embedding, decoder 1, norm, lm_head
         self.assert_same(got[:2], ref[:2])
+
+    def test_two_ranks_take_rank_zeros_layout(self):
+        """torchrun, 2 CPU ranks with a gloo process group and nondecoder="resident": rank 0
+        selects, both ranks take its layout (here with resident decoder layers, so both detach
+        and attach again with the new client_updated_layers), and the job trains exactly like
+        the same layout given explicitly."""
+        import socket as socketlib
+        from slidedp import preflight
+        cfg = tiny_config()
+        b, s = 4, 2048  # 2 rows of 2048 per rank
+        floor = preflight.layout_activation_bytes(cfg, b // 2, s, [("F", 1.0)] * 4)
+        all_n = preflight.layout_activation_bytes(cfg, b // 2, s, [("N", 0.0)] * 4)
+        budget = int(floor + 0.6 * (all_n - floor))
+
+        def run(tag, *extra):
+            h = HostdProcess(HOSTD, "--model", self.model_dir, "--world_size", "2", "--mlock",
+                             "best_effort", "--update_threads", "1", "--grad_dtype", "fp32",
+                             tmp=self.tmp, tag=tag, slidedpctl=CTL, log_name=f"hostd-{tag}.log")
+            self.hostds.append(h)
+            h.start()
+            with socketlib.socket() as so:
+                so.bind(("127.0.0.1", 0))
+                port = so.getsockname()[1]
+            log = os.path.join(self.tmp, f"{tag}-loss{{rank}}.jsonl")
+            dump = os.path.join(self.tmp, f"{tag}-params.pt")
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                   "--master-addr", "127.0.0.1", "--master-port", str(port),
+                   os.path.join(ROOT, "examples", "train_hf.py"), "train", "--hostd", h.socket,
+                   "--model", self.model_dir, "--batch", str(b), "--seq", str(s), "--steps", "2",
+                   "--device", "cpu", "--threads", "1", "--no-progress", "--dist-backend",
+                   "gloo", "--nondecoder", "resident", "--loss-log", log, "--dump-params", dump,
+                   *extra]
+            r = subprocess.run(cmd, capture_output=True, text=True, timeout=400,
+                               env=dict(os.environ, OMP_NUM_THREADS="1"))
+            self.assertEqual(r.returncode, 0, r.stdout[-3000:] + r.stderr[-5000:])
+            recs = []
+            for k in range(2):
+                with open(log.format(rank=k)) as f:
+                    recs.append([json.loads(line) for line in f])
+            return recs, torch.load(dump), r.stderr
+
+        recs, final, err = run("two-auto", "--memory-budget", str(budget))
+        self.assertIn("slidedp AutoPolicy", err)
+        layouts = {rec["policy"] for rank in recs for rec in rank}
+        self.assertEqual(len(layouts), 1, layouts)  # both ranks, every step
+        layout = layouts.pop()
+        self.assertIn("R", layout)  # resident decoder layers: the re-attach of both ranks
+        ref, ref_final, _ = run("two-fixed", "--policy", layout)
+        for k in range(2):
+            self.assertEqual([r["loss"] for r in recs[k]], [r["loss"] for r in ref[k]])
+        self.assert_same(([], final), ([], ref_final))
 
     def test_explicit_settings_win(self):
         import slidedp
