@@ -11,7 +11,7 @@ steps:
   2. profile: one decoder layer, a copy of the model's own, runs forward and backward under each
      activation kind at the real (batch, seq) with the keyword arguments HF's decoder stack gives
      its layers (its own mask and rotary code): time, bytes kept for backward, transient peak.
-     The PCIe rates are measured with pinned copies;
+     The bare PCIe rates are measured with pinned copies and scale the model's pipeline rates;
   3. rank: `slidedpctl plan --json` (the step-time model, T = max(C, H) + E) gives every
      candidate's host and transfer costs (H2D, D2H, hostd's AdamW, the CPU reduction) by
      difference from the all-F layout, with the measured link rates in its profile; the layer's
@@ -62,7 +62,24 @@ log = logging.getLogger("slidedp")
 
 RATIOS = (0.0, 0.5, 1.0)
 RESIDENT_BYTES_PER_PARAM = 18  # BF16 weights, FP32 master, m, v, FP32 gradient (step_model.h)
-CACHE_VERSION = 1
+CACHE_VERSION = 2
+# slidedpctl plan's built-in H200 profile was calibrated in the pipeline (H2D 40 GB/s while hostd
+# pushes and updates, D2H 17.3 GB/s into hostd's ring slots) on a machine whose bare pinned copies
+# ran at about 54 GB/s (bench/results/gpu_plane_h200_2026-11-29.json part a_h2d). A measured bare
+# rate scales those figures; it does not replace them.
+CALIBRATION_BARE_GB_PER_S = 54.0
+PIPELINE_H2D_GB_PER_S = 40.0
+PIPELINE_D2H_GB_PER_S = 17.3
+
+
+def plan_profile(links):
+    """The rates to give `slidedpctl plan` for the bare rates measure_links() measured."""
+    if not links:
+        return {}
+    return {"h2d_gb_per_s": PIPELINE_H2D_GB_PER_S * links["h2d_gb_per_s"] /
+            CALIBRATION_BARE_GB_PER_S,
+            "d2h_gb_per_s": PIPELINE_D2H_GB_PER_S * links["d2h_gb_per_s"] /
+            CALIBRATION_BARE_GB_PER_S}
 # Of the device memory free at selection, the part the layout may take: the caching allocator's
 # fragmentation and what CUDA, cuBLAS and NCCL allocate later need the rest.
 FREE_MARGIN = 0.92
@@ -510,7 +527,8 @@ def select(model, base, device, batch, seq, *, world_size, grad_route, window_sl
         prof = profile_kinds(base, kinds, batch, seq, device, dtype) if cuda else {}
         links = measure_links(device) if cuda else {}
         t_profile = time.perf_counter() - t0
-        planner = Planner(ctl, cfg_json, world_size, batch, seq, window_slots, grad_route, links)
+        planner = Planner(ctl, cfg_json, world_size, batch, seq, window_slots, grad_route,
+                      plan_profile(links))
         try:
             plans = {"all-F": _plan_summary(planner(f"{layers}F-r0"))}
             for p in cands:
@@ -603,7 +621,8 @@ def select(model, base, device, batch, seq, *, world_size, grad_route, window_sl
     sel.info.update(selection_s=time.perf_counter() - t_start, profile_s=t_profile,
                     objective_s=obj, links=links, prof=bool(prof))
     # The chosen layout and the old fixed default, through the model.
-    planner = Planner(ctl, cfg_json, world_size, batch, seq, window_slots, grad_route, links)
+    planner = Planner(ctl, cfg_json, world_size, batch, seq, window_slots, grad_route,
+                      plan_profile(links))
     try:
         sel.info["plan"] = _plan_summary(planner(sel.layout))
     finally:
