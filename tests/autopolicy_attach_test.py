@@ -12,6 +12,7 @@ hostd:
     explicitly, bit for bit;
   - two torchrun ranks with a process group take rank 0's layout (resident decoder layers
     included: both re-attach) and train like that layout given explicitly;
+  - a selection that fails (not a refusal) warns and trains every layer F-r0;
   - explicit settings (checkpointing=...) win over "auto".
 
 usage: autopolicy_attach_test.py HOSTD LIBSLIDEDP_RANK.so SLIDEDPCTL [unittest args]
@@ -243,6 +244,24 @@ class AutoAttach(unittest.TestCase):
         for k in range(2):
             self.assertEqual([r["loss"] for r in recs[k]], [r["loss"] for r in ref[k]])
         self.assert_same(([], final), ([], ref_final))
+
+    def test_selection_failure_falls_back_to_every_layer_f(self):
+        """A selection that fails for another reason than a batch that cannot fit (here
+        slidedpctl cannot be run) warns and trains with every layer F-r0."""
+        import slidedp
+        h = self.hostd("fallback")
+        os.environ["SLIDEDP_CTL"] = os.path.join(self.tmp, "no-such-slidedpctl")
+        try:
+            model, opt = slidedp.attach(self.model(), hostd=h.socket, device="cpu",
+                                        memory_budget=self.budget(0.6))
+            x = self.data[0]
+            with self.assertLogs("slidedp", "WARNING") as logs:
+                model(input_ids=x, labels=x).loss.backward()
+            self.assertIn("the selection failed", "\n".join(logs.output))
+            self.assertEqual(opt.step()["policy"], "4F-r0")
+            opt.close()
+        finally:
+            os.environ["SLIDEDP_CTL"] = CTL
 
     def test_explicit_settings_win(self):
         import slidedp

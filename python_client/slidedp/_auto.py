@@ -105,6 +105,29 @@ class PendingAttach:
             allow_resident=allow_resident, memory_budget=s["memory_budget"],
             lib_path=getattr(rh.lib, "_name", None), rank=rh.rank, reclaimable=reclaim)
 
+    def _select_or_fallback(self, batch, seq, allow_resident):
+        """The selection; a refusal (nothing fits: code 8) is raised, any other failure of the
+        selection (slidedpctl missing, a profile that cannot run, a solver error) logs a
+        warning and falls back to every layer F-r0, the fixed default, so a job is not stopped
+        by its optimizer of the layout."""
+        try:
+            return self._select(batch, seq, allow_resident)
+        except SlideDPError as e:
+            if e.code == 8:
+                raise
+            err = e
+        except Exception as e:  # noqa: BLE001 - any failure of the selection: the fallback
+            err = e
+        layers = len(self.s["dec_idx"])
+        log.warning("policy='auto': the selection failed (%s: %s); training with every layer "
+                    "F-r0", type(err).__name__, err, exc_info=err)
+        sel = autopolicy.Selection()
+        sel.layers = layers
+        sel.policies = [_policy.LayerPolicy("F", 0.0)] * layers
+        sel.info = {"why": f"the selection failed ({type(err).__name__}: {err}); every layer "
+                           "F-r0", "selection_s": 0.0, "failed": repr(err)}
+        return sel
+
     def _finish(self, args, kwargs):
         from .hf import _attach, _reinit_meta_buffers
         s, rh = self.s, self.rank
@@ -120,7 +143,7 @@ class PendingAttach:
             box = [None]
             if rh.rank == 0:
                 try:
-                    box = [self._select(batch, seq, allow_resident)]
+                    box = [self._select_or_fallback(batch, seq, allow_resident)]
                 except SlideDPError as e:
                     box = [e]
             torch.distributed.broadcast_object_list(box, src=0, group=pg)
@@ -128,7 +151,7 @@ class PendingAttach:
                 raise box[0]
             sel = box[0]
         else:
-            sel = self._select(batch, seq, allow_resident)
+            sel = self._select_or_fallback(batch, seq, allow_resident)
         n_res = sum(p.resident for p in sel.policies)
         resident = sorted(set(s["resident"]) | set(s["dec_idx"][:n_res]))
         if resident != sorted(s["resident"]):
@@ -202,7 +225,7 @@ class AutoValidation:
         self.batch, self.seq = batch, seq
         self.cuda = rt.s["device"].type == "cuda"
         self.steps = 0
-        self.done = not self.cuda
+        self.done = not self.cuda or sel.costs is None  # no costs: the fallback layout
         self.base_alloc = 0
         self.history = []
 
@@ -229,7 +252,7 @@ class AutoValidation:
     def after_attach(self):
         """The window and the resident layers are in place: solve the kinds against what is
         free now."""
-        if not self.cuda:
+        if self.done:
             return
         dev = self.rt.s["device"]
         new = autopolicy.resolve(self.sel, self._avail())
