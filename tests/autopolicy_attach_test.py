@@ -245,6 +245,40 @@ class AutoAttach(unittest.TestCase):
             self.assertEqual([r["loss"] for r in recs[k]], [r["loss"] for r in ref[k]])
         self.assert_same(([], final), ([], ref_final))
 
+    def test_layout_changed_between_steps_trains_like_f(self):
+        """The runtime's set_policies, what AutoPolicy's validation calls from end_step after a
+        step (rt.auto.after_step): refused inside a step, taken between steps, and a layout
+        changed twice trains bit for bit like every layer F (on the GPU the first version
+        called it before the step was closed, and every defaults run failed)."""
+        import slidedp
+        from slidedp import policy
+        ref = self.train("sw-ref", policy="4F-r0")
+        h = self.hostd("switch")
+        model, opt = slidedp.attach(self.model(), hostd=h.socket, device="cpu", policy="4F-r0")
+        rt = model.slidedp
+        plan = iter(["2N 2SAC-r0.5", "1Seg 1F-r1 2N-r0.5"])
+
+        class Switch:  # what AutoValidation does after a step
+            def after_step(self, stats):
+                nxt = next(plan, None)
+                if nxt is not None:
+                    rt.set_policies(policy.parse_layout(nxt, 4))
+        rt.auto = Switch()
+        losses, ran = [], []
+        for i, x in enumerate(self.data):
+            loss = model(input_ids=x, labels=x).loss
+            if i == 0:
+                with self.assertRaises(slidedp.SlideDPError) as cm:  # inside the step
+                    rt.set_policies(policy.parse_layout("4N", 4))
+                self.assertIn("a step is running", str(cm.exception))
+            loss.backward()
+            ran.append(opt.step()["policy"])
+            losses.append(float(loss.detach()))
+        self.assertEqual(ran[:2], ["4F-r0", "2N 2SAC-r0.5"])
+        final = rt.fetch_state_dict()
+        opt.close()
+        self.assert_same((losses, final), ref)
+
     def test_selection_failure_falls_back_to_every_layer_f(self):
         """A selection that fails for another reason than a batch that cannot fit (here
         slidedpctl cannot be run) warns and trains with every layer F-r0."""

@@ -480,8 +480,6 @@ class StreamedRuntime(ResidentLayers):
         else:
             stats.update(activation_offload_bytes=0, activation_prefetch_wait_s=0.0)
         stats["policy"] = policy.format_layout(self.s["policies"])  # the layout this step ran
-        if self.auto is not None:
-            self.auto.after_step(stats)
         self.counters0 = c
         self.next_step = self.step + 1
         self.step = None
@@ -491,6 +489,8 @@ class StreamedRuntime(ResidentLayers):
         self.fetch_wait = self.begin_wait = 0.0
         self.fetch_waits = []
         self.snapshot_s = 0.0
+        if self.auto is not None:  # between steps: AutoPolicy may change the layout
+            self.auto.after_step(stats)
         log.info("step %d: %.3f s, %.0f tok/s, %.1f TFLOPS/GPU, param wait %.3f+%.3f s, "
                  "begin wait %.3f s, push wait %.3f s", stats["step"], dt, stats["tokens_per_s"],
                  stats["model_tflops_per_gpu"], stats["param_fetch_wait_s"], slot_wait,

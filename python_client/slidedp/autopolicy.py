@@ -62,7 +62,7 @@ log = logging.getLogger("slidedp")
 
 RATIOS = (0.0, 0.5, 1.0)
 RESIDENT_BYTES_PER_PARAM = 18  # BF16 weights, FP32 master, m, v, FP32 gradient (step_model.h)
-CACHE_VERSION = 2
+CACHE_VERSION = 3
 # slidedpctl plan's built-in H200 profile was calibrated in the pipeline (H2D 40 GB/s while hostd
 # pushes and updates, D2H 17.3 GB/s into hostd's ring slots) on a machine whose bare pinned copies
 # ran at about 54 GB/s (bench/results/gpu_plane_h200_2026-11-29.json part a_h2d). A measured bare
@@ -101,6 +101,11 @@ def find_slidedpctl():
     here = os.path.dirname(os.path.abspath(__file__))
     root = os.path.dirname(os.path.dirname(here))  # the source tree or the bundle
     cands = [os.path.join(root, "bin", "slidedpctl")]
+    lib = os.environ.get("SLIDEDP_RANK_LIB")
+    if lib:  # next to the rank library: a bundle's lib/ and bin/, a build's rankclient/
+        up = os.path.dirname(os.path.dirname(os.path.abspath(lib)))
+        cands += [os.path.join(up, "bin", "slidedpctl"),
+                  os.path.join(up, "slidedpctl", "slidedpctl")]
     builds = [os.path.join(root, "build")] + sorted(glob.glob(os.path.join(root, "build*")))
     cands += [os.path.join(d, "slidedpctl", "slidedpctl") for d in builds]
     for c in cands:
@@ -155,7 +160,8 @@ def _plan_summary(j):
     return {"c_s": c["c_s"], "head_s": head_s, "resident_update_s": c["resident_update_s"],
             "host": {k: v["seconds"] for k, v in j["host"]["resources"].items()},
             "e_s": j["exposure"]["e_s"], "step_s": j["step_s"], "regime": j["regime"],
-            "pcie_gb": j["pcie"]["gb_per_step"], "peak_gpu_bytes": j["memory"]["peak_gpu_bytes"]}
+            "pcie_gb": j["pcie"]["gb_per_step"], "peak_gpu_bytes": j["memory"]["peak_gpu_bytes"],
+            "tflops": j["profile"]["gpu_bf16_tflops"]}
 
 
 # ---- the profile of one decoder layer ----
@@ -579,7 +585,10 @@ def select(model, base, device, batch, seq, *, world_size, grad_route, window_sl
         for r in RESOURCES[1:-1]:
             row[r] = pl["host"].get(r, 0.0) - allf["host"].get(r, 0.0)
         costs[p] = row
-    base_sums = {"c": allf["head_s"]}
+    # The measured layer runs `calib` times as long as the model's compute says (this GPU, this
+    # shape); the non-layer part of C (the lm_head) is scaled alike.
+    calib = prof["F"]["time_s"] / f_plan_c if prof and prof.get("F") and f_plan_c > 0 else 1.0
+    base_sums = {"c": allf["head_s"] * calib}
     for r in RESOURCES[1:-1]:
         base_sums[r] = allf["host"].get(r, 0.0)
     sel.costs, sel.base = costs, base_sums
@@ -620,14 +629,19 @@ def select(model, base, device, batch, seq, *, world_size, grad_route, window_sl
     sel.rows = _rows(costs, counts, tokens, prof)
     sel.info.update(selection_s=time.perf_counter() - t_start, profile_s=t_profile,
                     objective_s=obj, links=links, prof=bool(prof))
-    # The chosen layout and the old fixed default, through the model.
-    planner = Planner(ctl, cfg_json, world_size, batch, seq, window_slots, grad_route,
-                      plan_profile(links))
+    # The chosen layout and the old fixed default, through the model with its compute rate
+    # calibrated to the profiled layer (what the table and each step report as predicted).
+    profile = plan_profile(links)
+    if calib != 1.0:
+        profile["gpu_bf16_tflops"] = allf["tflops"] / calib
+    sel.info["compute_calibration"] = calib
+    planner = Planner(ctl, cfg_json, world_size, batch, seq, window_slots, grad_route, profile)
     try:
         sel.info["plan"] = _plan_summary(planner(sel.layout))
+        sel.info["plan_fixed"] = _plan_summary(planner(f"{layers}F-r0")) if calib != 1.0 \
+            else allf
     finally:
         planner.close()
-    sel.info["plan_fixed"] = allf
     sel.info["selection_s"] = time.perf_counter() - t_start
     return sel
 
@@ -691,7 +705,9 @@ def format_table(sel, batch, seq):
     be = math.ceil(i["selection_s"] / gain) if gain > 1e-9 else None
     lines.append(f"  chosen: {sel.layout}")
     lines.append(f"  predicted step {p['step_s']:.3f} s ({p['regime']}; every layer F-r0: "
-                 f"{fx['step_s']:.3f} s), peak GPU memory {p['peak_gpu_bytes'] / 2 ** 30:.1f} GiB "
+                 f"{fx['step_s']:.3f} s; the allocation's bound {i.get('objective_s', 0):.3f} s; "
+                 f"compute x{i.get('compute_calibration', 1.0):.2f} of the model's), "
+                 f"peak GPU memory {p['peak_gpu_bytes'] / 2 ** 30:.1f} GiB "
                  f"(model estimate), PCIe {p['pcie_gb']:.1f} GB/step")
     lines.append(f"  selection {i['selection_s']:.2f} s (profile {i['profile_s']:.2f} s); "
                  + (f"break-even after {be} steps" if be is not None else
