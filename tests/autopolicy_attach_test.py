@@ -79,16 +79,21 @@ class AutoAttach(unittest.TestCase):
         m.train()
         return m
 
-    def train(self, tag, **kw):
-        import slidedp
-        h = self.hostd(tag)
-        model, opt = slidedp.attach(self.model(), hostd=h.socket, device="cpu", **kw)
-        losses = []
+    def steps(self, model, opt):
+        """Trains on self.data; returns (every step's loss, the last step's figures)."""
+        losses, stats = [], None
         for x in self.data:
             loss = model(input_ids=x, labels=x).loss
             loss.backward()
             stats = opt.step()
             losses.append(float(loss.detach()))
+        return losses, stats
+
+    def train(self, tag, **kw):
+        import slidedp
+        h = self.hostd(tag)
+        model, opt = slidedp.attach(self.model(), hostd=h.socket, device="cpu", **kw)
+        losses, stats = self.steps(model, opt)
         layout = stats.get("policy")
         rt = model.slidedp
         final = rt.fetch_state_dict()
@@ -131,12 +136,7 @@ class AutoAttach(unittest.TestCase):
         self.assertEqual(cm.exception.code, 9)
         self.assertIn("before the first forward", str(cm.exception))
         opt.zero_grad()
-        losses = []
-        for x in self.data:
-            loss = model(input_ids=x, labels=x).loss
-            loss.backward()
-            stats = opt.step()
-            losses.append(float(loss.detach()))
+        losses, stats = self.steps(model, opt)
         rt = model.slidedp
         self.assertFalse(getattr(rt, "pending", False))
         chosen = rt.s["policies"]

@@ -197,13 +197,11 @@ class PendingAttach:
 
     def fetch_state_dict(self):
         """hostd's BF16 parameters as {HF name: CPU tensor} (no step has run on this handle)."""
+        from ._runtime import fetch_layer
         out = {}
-        version = self.rank.next_step - 1
         for info in self.rank.layers:
-            buf = torch.empty(info.numel, dtype=torch.bfloat16)
-            self.rank.fetch_params(info.index, version, buf.data_ptr(), info.numel * 2)
-            for ti in info.tensors:
-                out[ti.name] = buf[ti.offset: ti.offset + ti.numel].view(ti.shape).clone()
+            out.update(fetch_layer(self.rank, info.index, info.numel, info.tensors,
+                                   self.rank.next_step - 1))
         return out
 
     def close(self):

@@ -75,6 +75,14 @@ def _flops_per_token(config, nparams, seq):
     return 6 * nparams + 6 * layers * h * seq
 
 
+def fetch_layer(rank, index, numel, tensors, version):
+    """hostd's BF16 copy of one layer at `version`, as {HF name: CPU tensor}."""
+    buf = torch.empty(numel, dtype=torch.bfloat16)
+    rank.fetch_params(index, version, buf.data_ptr(), numel * 2)
+    return {ti.name: buf[ti.offset: ti.offset + ti.numel].view(ti.shape).clone()
+            for ti in tensors}
+
+
 class StreamedRuntime(ResidentLayers):
     def __init__(self, model, rank, backend, layers, decoder_order, settings):
         self.model = model
@@ -518,10 +526,8 @@ class StreamedRuntime(ResidentLayers):
                 for _, ti in l.params:
                     out[ti.name] = buf[ti.offset: ti.offset + ti.numel].view(ti.shape).clone()
                 continue
-            buf = torch.empty(l.numel, dtype=torch.bfloat16)
-            self.rank.fetch_params(l.index, version, buf.data_ptr(), l.numel * 2)
-            for _, ti in l.params:
-                out[ti.name] = buf[ti.offset: ti.offset + ti.numel].view(ti.shape).clone()
+            out.update(fetch_layer(self.rank, l.index, l.numel, [ti for _, ti in l.params],
+                                   version))
         return out
 
     def close(self):
