@@ -16,7 +16,7 @@ hostd:
   - explicit settings (checkpointing=...) win over "auto".
 
 usage: autopolicy_attach_test.py HOSTD LIBSLIDEDP_RANK.so SLIDEDPCTL [unittest args]
-About 40 s on 2 cores.
+About 2 min on 2 cores (4-5 min when the machine is busy).
 """
 import json
 import os
