@@ -18,6 +18,7 @@ hostd:
 usage: autopolicy_attach_test.py HOSTD LIBSLIDEDP_RANK.so SLIDEDPCTL [unittest args]
 About 2 min on 2 cores (4-5 min when the machine is busy).
 """
+import inspect
 import json
 import os
 import subprocess
@@ -131,6 +132,9 @@ class AutoAttach(unittest.TestCase):
         model, opt = slidedp.attach(self.model(), hostd=h.socket, device="cpu",
                                     memory_budget=budget)
         self.assertTrue(model.slidedp.pending)
+        # The forward's signature is the model's, before and after the first call (HF Trainer
+        # keeps the dataset columns it names).
+        self.assertIn("input_ids", inspect.signature(model.forward).parameters)
         with self.assertRaises(slidedp.SlideDPError) as cm:
             opt.step()
         self.assertEqual(cm.exception.code, 9)
@@ -139,6 +143,7 @@ class AutoAttach(unittest.TestCase):
         losses, stats = self.steps(model, opt)
         rt = model.slidedp
         self.assertFalse(getattr(rt, "pending", False))
+        self.assertIn("labels", inspect.signature(model.forward).parameters)
         chosen = rt.s["policies"]
         self.assertEqual(stats["policy"], policy.format_layout(chosen))
         self.assertNotEqual(stats["policy"], "4F-r0")  # the budget leaves room to keep more

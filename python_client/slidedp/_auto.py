@@ -18,6 +18,7 @@ in any case (nondecoder="resident"). At the first forward:
      step's activations took is compared with the prediction, the ratio scales the candidates'
      memory, and the kinds are solved again (the resident layers stay).
 """
+import functools
 import logging
 import sys
 import time
@@ -73,6 +74,7 @@ class PendingAttach:
         self.orig_forward = orig = model.forward
         ref = weakref.ref(self)
 
+        @functools.wraps(orig)  # its signature stays inspectable (HF Trainer reads it)
         def forward(*args, **kwargs):
             p = ref()
             if p is None:

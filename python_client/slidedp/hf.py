@@ -45,6 +45,7 @@ _resident.ResidentLayers (the device-side update and uploads of resident layers)
 _optimizer.SlideDPOptimizer (what attach returns as the optimizer). They import torch; none
 imports this module.
 """
+import functools
 import logging
 import os
 import weakref
@@ -466,6 +467,7 @@ def _attach(model, base, rh, device, mhash, s):
     orig_forward = model.forward
     rt_ref = weakref.ref(rt)
 
+    @functools.wraps(orig_forward)  # its signature stays inspectable (HF Trainer reads it)
     def forward(*args, **kwargs):
         # The step's begin and end around the model's forward (not module hooks: policy='auto'
         # attaches inside the first call, after the hooks of that call have been read).
