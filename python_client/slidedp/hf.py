@@ -225,7 +225,6 @@ def attach(model, hostd="unix:///run/slidedp/hostd.sock", *, rank=None, world_si
     if nondecoder == "auto":
         nondecoder = "resident" if device.type == "cuda" and (
             (world_size or 1) == 1 or pg_ready or process_group is not None) else "host"
-    nondecoder_given = nondecoder
     mlayers = manifest_layers(cfg_json, lib)
     dec_idx = [i for i, l in enumerate(mlayers) if l["kind"] == "LAYER_KIND_DECODER"]
     given = [f"{k}={v!r}" for k, v, d in (("checkpointing", checkpointing, "full"),
@@ -322,7 +321,7 @@ def attach(model, hostd="unix:///run/slidedp/hostd.sock", *, rank=None, world_si
         raise
     from ._auto import PendingAttach
     pending = PendingAttach(model, base, rh, device, mhash, dict(
-        s, mlayers=mlayers, dec_idx=dec_idx, nondecoder=nondecoder_given), connect)
+        s, mlayers=mlayers, dec_idx=dec_idx, nondecoder=nondecoder), connect)
     model.slidedp = pending
     opt = SlideDPOptimizer(pending)
     pending.optimizer = opt
