@@ -13,6 +13,7 @@ hostd:
   - two torchrun ranks with a process group take rank 0's layout (resident decoder layers
     included: both re-attach) and train like that layout given explicitly;
   - a selection that fails (not a refusal) warns and trains every layer F-r0;
+  - a hostd that dies before the first forward: UNAVAILABLE at that forward, no hang, detached;
   - explicit settings (checkpointing=...) win over "auto".
 
 usage: autopolicy_attach_test.py HOSTD LIBSLIDEDP_RANK.so SLIDEDPCTL [unittest args]
@@ -283,6 +284,32 @@ class AutoAttach(unittest.TestCase):
         final = rt.fetch_state_dict()
         opt.close()
         self.assert_same((losses, final), ref)
+
+    def test_dead_hostd_at_the_first_forward(self):
+        """hostd dies between attach and the first forward: the first forward (the selection,
+        then the attach proper) fails with UNAVAILABLE naming what it did, without hanging,
+        and the model is left detached (a later forward says so, close() does not hang)."""
+        import time
+        import slidedp
+        from harness import remove_shm
+        h = self.hostd("dead")
+        model, opt = slidedp.attach(self.model(), hostd=h.socket, device="cpu",
+                                    memory_budget=self.budget(0.6), timeout_s=10)
+        self.hostds.remove(h)
+        h.kill()
+        self.addCleanup(remove_shm, h.instance)  # a killed hostd leaves them for re-adoption
+        x = self.data[0]
+        t0 = time.time()
+        with self.assertRaises(slidedp.SlideDPError) as cm:
+            model(input_ids=x, labels=x)
+        self.assertEqual(cm.exception.code, 14, str(cm.exception))
+        self.assertIn("hostd is gone", str(cm.exception))  # and what it was doing:
+        self.assertIn("fetching layer", str(cm.exception))  # verifying hostd's weights
+        self.assertLess(time.time() - t0, 60)
+        with self.assertRaises(slidedp.SlideDPError) as cm:
+            model(input_ids=x, labels=x)
+        self.assertIn("detached from hostd", str(cm.exception))
+        opt.close()
 
     def test_selection_failure_falls_back_to_every_layer_f(self):
         """A selection that fails for another reason than a batch that cannot fit (here

@@ -154,6 +154,25 @@ class Selection(unittest.TestCase):
             self.assertGreater(len(calls), 2)
         finally:
             ap.Planner.__call__ = orig
+        # A cache file cut short (a full disk, a kill mid-write of an older version): measured
+        # again and rewritten, not an error.
+        for name in os.listdir(ap.cache_dir()):
+            with open(os.path.join(ap.cache_dir(), name), "w") as f:
+                f.write('{"key": "')
+        third = select(model, 2, 64, budget)
+        self.assertTrue(third.info["cache"].startswith("miss"), third.info["cache"])
+        self.assertEqual(third.layout, first.layout)
+        # A cache that cannot be written (its folder is a file): the selection still stands.
+        root = os.environ["XDG_CACHE_HOME"]
+        os.environ["XDG_CACHE_HOME"] = os.path.join(root, "cache-file")
+        try:
+            with open(os.environ["XDG_CACHE_HOME"], "w") as f:
+                f.write("not a folder")
+            fourth = select(model, 2, 64, budget)
+            self.assertTrue(fourth.info["cache"].startswith("not written"), fourth.info["cache"])
+            self.assertEqual(fourth.layout, first.layout)
+        finally:
+            os.environ["XDG_CACHE_HOME"] = root
 
 
 class Profile(unittest.TestCase):

@@ -18,6 +18,7 @@ in any case (nondecoder="resident"). At the first forward:
      step's activations took is compared with the prediction, the ratio scales the candidates'
      memory, and the kinds are solved again (the resident layers stay).
 """
+import contextlib
 import functools
 import logging
 import sys
@@ -80,7 +81,7 @@ class PendingAttach:
             if p is None:
                 return orig(*args, **kwargs)
             return p.first_forward(args, kwargs)
-        model.forward = forward
+        model.forward = self.wrapper = forward
 
     @property
     def next_step(self):
@@ -95,15 +96,15 @@ class PendingAttach:
 
     def _select(self, batch, seq, allow_resident):
         s, rh = self.s, self.rank
-        nondec = [i for i in s["resident"]]  # nondecoder layers resident from attach
+        nondec = len(s["resident"])  # the nondecoder layers resident from attach
         n_nondec_streamed = sum(1 for l in s["mlayers"] if l["kind"] != "LAYER_KIND_DECODER") \
-            - len(nondec)
+            - nondec
         slots = s["window_slots"] or n_nondec_streamed + 2 * s["prefetch"] + 2
         reclaim = sum(p.numel() * p.element_size() for p in self.model.parameters()
                       if p.device == self.device) if self.device.type == "cuda" else 0
         return autopolicy.select(
             self.model, self.base, self.device, batch, seq, world_size=rh.world_size,
-            grad_route=rh.grad_route, window_slots=slots, nondecoder_resident=bool(nondec),
+            grad_route=rh.grad_route, window_slots=slots, nondecoder_resident=nondec > 0,
             allow_resident=allow_resident, memory_budget=s["memory_budget"],
             lib_path=getattr(rh.lib, "_name", None), rank=rh.rank, reclaimable=reclaim)
 
@@ -177,8 +178,11 @@ class PendingAttach:
         try:
             _, opt = _attach(self.model, self.base, rh, self.device, self.mhash, s)
         except BaseException:
+            # The model has given up its weights: it stays behind the wrapper, which refuses.
             self.closed = True
-            rh.detach()
+            self.model.forward = self.wrapper
+            with contextlib.suppress(SlideDPError):  # a dead hostd: the first error is the one
+                rh.detach()
             raise
         rt = opt._rt
         rt.auto = AutoValidation(rt, sel, batch, seq)
@@ -210,7 +214,7 @@ class PendingAttach:
         if self.closed:
             return
         self.closed = True
-        self.model.forward = self.orig_forward
+        self.model.forward = self.orig_forward  # never attached: the model has its weights
         if self.rank is not None:
             self.rank.detach()
 
