@@ -269,6 +269,11 @@ class AutoAttach(unittest.TestCase):
                 nxt = next(plan, None)
                 if nxt is not None:
                     rt.set_policies(policy.parse_layout(nxt, 4))
+        # Other resident layers than attached; a layout for 3 of the 4 layers.
+        for bad, layers in (("1R 3F-r0", 4), ("3F-r0", 3)):
+            with self.assertRaises(slidedp.SlideDPError) as cm:
+                rt.set_policies(policy.parse_layout(bad, layers))
+            self.assertEqual(cm.exception.code, 3, str(cm.exception))
         rt.auto = Switch()
         losses, ran = [], []
         for i, x in enumerate(self.data):
